@@ -1,0 +1,69 @@
+"""The Target protocol: one interface for every manager under test.
+
+A target takes a config and events and reports observations
+(:mod:`model.observations`). Properties read only observations, so one
+property serves every target.
+
+``make_target("reference")`` or ``make_target("vllm@0.33.0")`` /
+``make_target("vllm@/path/to/checkout")`` builds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from model.events import Config, Event
+from model.observations import Observed
+
+
+class TargetError(RuntimeError):
+    """The target cannot run (unsupported version, missing install): exit 3."""
+
+
+class TargetCrash(RuntimeError):
+    """The target raised while applying an event: exit 3 with the trace."""
+
+
+class Unsupported(ValueError):
+    """The config asks for something this target cannot do (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    kinds: frozenset[str] = frozenset({"full", "sliding", "chunked_local", "mamba", "hybrid"})
+    policies: frozenset[str] | None = None  # None: any registered policy
+    max_depth: int = 4
+    spec_tokens: bool = True
+    preempt: bool = True
+    failed_load: bool = True
+    prefix_caching: bool = True
+    reports_in_flight: bool = True  # counters carry num_in_flight_tokens
+    fixed_policy: str | None = None  # the policy the target implements, if not configurable
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Target(Protocol):
+    name: str
+    capabilities: Capabilities
+
+    def reset(self, config: Config) -> Observed:
+        """Start afresh with ``config``; raises Unsupported for a config it can't run."""
+
+    def apply(self, event: Event) -> Observed:
+        """Apply one (valid) event; returns what happened."""
+
+    def can_apply(self, event: Event) -> bool:
+        """Whether ``event`` is valid now (preconditions of the state machine)."""
+
+
+def make_target(spec: str) -> Target:
+    if spec == "reference":
+        from impl.reference import ReferenceTarget
+
+        return ReferenceTarget()
+    if spec.startswith("vllm@"):
+        from impl.vllm import VllmTarget
+
+        return VllmTarget(spec[len("vllm@"):])
+    raise Unsupported(f"unknown target {spec!r} (use 'reference', 'vllm@VERSION' or 'vllm@PATH')")

@@ -1,0 +1,396 @@
+"""Events, configs and traces: the one language every layer speaks.
+
+A trace is a :class:`Config` plus a list of events, saved as JSON::
+
+    {"version": 1,
+     "config": {"groups": [{"kind": "sliding", "window": 16}], "block_size": 16, ...},
+     "events": [{"type": "AddRequest", "id": "r0", "prompt_len": 100, ...},
+                {"type": "Schedule"}, {"type": "Schedule"},
+                {"type": "Process", "accepted": {"r0": 1}}]}
+
+Loading checks shape and consistency and raises :class:`TraceError` (one line,
+the CLI turns it into exit status 2) for anything malformed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Union
+
+TRACE_VERSION = 1
+
+KINDS = ("full", "sliding", "chunked_local", "mamba")
+HAZARDS = ("ordered", "unordered")
+
+
+class TraceError(ValueError):
+    """A malformed or inconsistent trace or config (exit status 2)."""
+
+
+# --------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A new request: ``prompt_len`` prompt tokens, the first ``external_tokens``
+    of which a KV connector offers to load instead of computing."""
+
+    id: str
+    prompt_len: int
+    max_new_tokens: int
+    external_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One scheduler iteration; puts a step in flight (if anything is scheduled)."""
+
+
+@dataclass(frozen=True)
+class Process:
+    """The oldest unprocessed step's output arrives. ``accepted[id]`` is how many
+    of request ``id``'s draft (spec) tokens in that step survive; a request not
+    named accepts all of them. Rejection is this event."""
+
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.accepted.items())))
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Preempt request ``id``: all its blocks go back, it recomputes later."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class FailLoad:
+    """The connector's load for request ``id`` fails from logical block
+    ``first_bad_block`` on; reported with the output of the step that loaded,
+    so the scheduler must recompute from that block."""
+
+    id: str
+    first_bad_block: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Request ``id`` stops (the engine finishes it, e.g. a stop string)."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The client aborts request ``id``."""
+
+    id: str
+
+
+Event = Union[AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort]
+EVENT_TYPES: dict[str, type] = {
+    c.__name__: c for c in (AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort)
+}
+
+
+def event_to_json(ev: Event) -> dict[str, Any]:
+    d = {"type": type(ev).__name__}
+    d.update(asdict(ev))
+    return d
+
+
+def event_from_json(d: Any, where: str = "event") -> Event:
+    if not isinstance(d, dict) or "type" not in d:
+        raise TraceError(f"{where}: expected an object with a 'type' field, got {d!r:.80}")
+    cls = EVENT_TYPES.get(d["type"])
+    if cls is None:
+        raise TraceError(
+            f"{where}: unknown event type {d['type']!r} (known: {', '.join(EVENT_TYPES)})"
+        )
+    names = {f.name: f for f in fields(cls)}
+    extra = set(d) - set(names) - {"type"}
+    if extra:
+        raise TraceError(f"{where}: {d['type']} has unknown field(s) {sorted(extra)}")
+    kwargs = {}
+    for name, f in names.items():
+        if name not in d:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise TraceError(f"{where}: {d['type']} is missing field {name!r}")
+        kwargs[name] = d[name]
+    try:
+        ev = cls(**kwargs)
+    except TypeError as e:
+        raise TraceError(f"{where}: {e}") from None
+    _check_event_types(ev, where)
+    return ev
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_event_types(ev: Event, where: str) -> None:
+    for f in fields(ev):
+        v = getattr(ev, f.name)
+        if f.name == "id":
+            if not isinstance(v, str) or not v:
+                raise TraceError(f"{where}: 'id' must be a non-empty string")
+        elif f.name == "accepted":
+            if not isinstance(v, dict) or not all(
+                isinstance(k, str) and _is_int(n) and n >= 0 for k, n in v.items()
+            ):
+                raise TraceError(f"{where}: 'accepted' must map request ids to counts >= 0")
+        elif not _is_int(v) or v < 0:
+            raise TraceError(f"{where}: {f.name!r} must be an integer >= 0, got {v!r}")
+
+
+# --------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV-cache group: its attention kind and the kind's parameter.
+
+    ``param`` is the window ``W`` for ``sliding``, the chunk ``C`` for
+    ``chunked_local``, unused (0) for ``full`` and ``mamba``."""
+
+    kind: str
+    param: int = 0
+
+    def label(self) -> str:
+        if self.kind == "sliding":
+            return f"sliding(W={self.param})"
+        if self.kind == "chunked_local":
+            return f"chunked_local(C={self.param})"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Config:
+    groups: tuple[Group, ...]
+    block_size: int = 16
+    num_blocks: int = 64  # physical blocks, NULL block (id 0) included
+    max_num_batched_tokens: int = 64  # token budget per step
+    max_num_seqs: int = 8
+    max_model_len: int = 512
+    spec_tokens: int = 0
+    depth: int = 2  # steps in flight at most: 1 sync, 2 async, >2 pipeline parallel
+    policy: str = "settled"
+    hazard: str = "ordered"  # "unordered": a KV-consumer connector may write freed blocks
+    prefix_caching: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``hybrid`` for several groups, else the one group's kind."""
+        return "hybrid" if len(self.groups) > 1 else self.groups[0].kind
+
+    def label(self) -> str:
+        g = "+".join(x.label() for x in self.groups)
+        return (
+            f"{g} B={self.block_size} blocks={self.num_blocks} depth={self.depth} "
+            f"spec={self.spec_tokens} policy={self.policy} hazard={self.hazard}"
+            + (" prefix-caching" if self.prefix_caching else "")
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups"] = [{"kind": g.kind, **({"param": g.param} if g.param else {})}
+                       for g in self.groups]
+        return d
+
+    @staticmethod
+    def from_json(d: Any) -> Config:
+        if not isinstance(d, dict):
+            raise TraceError("config: expected an object")
+        known = {f.name for f in fields(Config)}
+        extra = set(d) - known
+        if extra:
+            raise TraceError(f"config: unknown field(s) {sorted(extra)}")
+        if "groups" not in d:
+            raise TraceError("config: missing 'groups'")
+        gs = d["groups"]
+        if not isinstance(gs, list) or not gs:
+            raise TraceError("config: 'groups' must be a non-empty list")
+        groups = []
+        for i, g in enumerate(gs):
+            if not isinstance(g, dict) or "kind" not in g or set(g) - {"kind", "param"}:
+                raise TraceError(f"config: groups[{i}] must be {{'kind': K, 'param': N}}")
+            p = g.get("param", 0)
+            if not _is_int(p):
+                raise TraceError(f"config: groups[{i}].param must be an integer")
+            groups.append(Group(g["kind"], p))
+        kw = {k: v for k, v in d.items() if k != "groups"}
+        cfg = Config(groups=tuple(groups), **kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise :class:`TraceError` for an impossible config."""
+        for g in self.groups:
+            if g.kind not in KINDS:
+                raise TraceError(f"config: unknown kind {g.kind!r} (known: {', '.join(KINDS)})")
+            if g.kind in ("sliding", "chunked_local") and g.param < 1:
+                raise TraceError(f"config: {g.kind} needs a positive window/chunk, got {g.param}")
+            if g.kind == "chunked_local" and g.param % self.block_size:
+                raise TraceError(
+                    f"config: chunk {g.param} must be a multiple of the block size {self.block_size}"
+                )
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                     "max_model_len", "depth"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise TraceError(f"config: {name} must be a positive integer, got {v!r}")
+        if not _is_int(self.spec_tokens) or self.spec_tokens < 0:
+            raise TraceError(f"config: spec_tokens must be an integer >= 0, got {self.spec_tokens!r}")
+        if self.depth > 4:
+            raise TraceError(f"config: depth {self.depth} unsupported (1 sync, 2 async, 3-4 PP)")
+        if self.num_blocks < 2:
+            raise TraceError("config: num_blocks must leave room beside the NULL block")
+        from .policy import REGISTRY
+
+        if self.policy not in REGISTRY:
+            raise TraceError(
+                f"config: unknown policy {self.policy!r} (known: {', '.join(REGISTRY)})"
+            )
+        if self.hazard not in HAZARDS:
+            raise TraceError(f"config: unknown hazard {self.hazard!r} (known: {', '.join(HAZARDS)})")
+        if not isinstance(self.prefix_caching, bool):
+            raise TraceError("config: prefix_caching must be true or false")
+        if self.max_num_batched_tokens <= self.spec_tokens:
+            raise TraceError("config: the token budget must exceed spec_tokens")
+
+
+def sliding(w: int, **kw: Any) -> Config:
+    return Config(groups=(Group("sliding", w),), **kw)
+
+
+def config_for(kind: str, **kw: Any) -> Config:
+    """A config for a named kind (``hybrid`` is full + sliding(W))."""
+    window = kw.pop("window", 16)
+    chunk = kw.pop("chunk", 32)
+    if kind == "sliding":
+        groups = (Group("sliding", window),)
+    elif kind == "chunked_local":
+        groups = (Group("chunked_local", chunk),)
+    elif kind in ("full", "mamba"):
+        groups = (Group(kind),)
+    elif kind == "hybrid":
+        groups = (Group("full"), Group("sliding", window))
+    else:
+        raise TraceError(f"unknown kind {kind!r} (known: {', '.join(KINDS + ('hybrid',))})")
+    cfg = Config(groups=groups, **kw)
+    cfg.validate()
+    return cfg
+
+
+# ---------------------------------------------------------------------- trace
+
+
+@dataclass
+class Trace:
+    config: Config
+    events: list[Event]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "version": TRACE_VERSION,
+            "config": self.config.to_json(),
+            "events": [event_to_json(e) for e in self.events],
+        }
+        if self.meta:
+            d["meta"] = self.meta
+        return d
+
+    def dumps(self) -> str:
+        lines = [f'  {json.dumps(event_to_json(e))}' for e in self.events]
+        head = {"version": TRACE_VERSION, "config": self.config.to_json()}
+        if self.meta:
+            head["meta"] = self.meta
+        body = json.dumps(head, indent=2)[:-2]
+        return body + ',\n  "events": [\n  ' + ",\n  ".join(lines) + "\n  ]\n}\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the trace; never overwrites an existing file (a suffix is added)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        stem, suffix, n = p.stem, p.suffix or ".json", 1
+        while p.exists():
+            p = p.with_name(f"{stem}-{n}{suffix}")
+            n += 1
+        p.write_text(self.dumps())
+        return p
+
+    @staticmethod
+    def from_json(d: Any) -> Trace:
+        if not isinstance(d, dict):
+            raise TraceError("trace: expected a JSON object")
+        if d.get("version") != TRACE_VERSION:
+            raise TraceError(
+                f"trace: unsupported version {d.get('version')!r} (this kvcheck reads {TRACE_VERSION})"
+            )
+        extra = set(d) - {"version", "config", "events", "meta"}
+        if extra:
+            raise TraceError(f"trace: unknown field(s) {sorted(extra)}")
+        cfg = Config.from_json(d.get("config"))
+        evs = d.get("events")
+        if not isinstance(evs, list):
+            raise TraceError("trace: 'events' must be a list")
+        events = [event_from_json(e, f"events[{i}]") for i, e in enumerate(evs)]
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TraceError("trace: 'meta' must be an object")
+        t = Trace(cfg, events, meta)
+        check_consistent(t)
+        return t
+
+    @staticmethod
+    def load(path: str | Path) -> Trace:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        try:
+            return Trace.from_json(d)
+        except TraceError as e:
+            raise TraceError(f"{path}: {e}") from None
+
+
+def check_consistent(t: Trace) -> None:
+    """Static consistency: ids are added once before use, counts fit the config."""
+    live: set[str] = set()
+    seen: set[str] = set()
+    cfg = t.config
+    for i, ev in enumerate(t.events):
+        where = f"events[{i}] {type(ev).__name__}"
+        if isinstance(ev, AddRequest):
+            if ev.id in seen:
+                raise TraceError(f"{where}: request id {ev.id!r} added twice")
+            if ev.prompt_len < 1 or ev.max_new_tokens < 1:
+                raise TraceError(f"{where}: prompt_len and max_new_tokens must be >= 1")
+            if ev.external_tokens >= ev.prompt_len:
+                raise TraceError(f"{where}: external_tokens must be below prompt_len")
+            if ev.prompt_len + ev.max_new_tokens > cfg.max_model_len:
+                raise TraceError(f"{where}: prompt_len + max_new_tokens exceeds max_model_len")
+            seen.add(ev.id)
+            live.add(ev.id)
+        elif isinstance(ev, (Preempt, FailLoad, Finish, Abort)):
+            if ev.id not in seen:
+                raise TraceError(f"{where}: request {ev.id!r} was never added")
+            if isinstance(ev, (Finish, Abort)):
+                live.discard(ev.id)
+        elif isinstance(ev, Process):
+            for rid, n in ev.accepted.items():
+                if rid not in seen:
+                    raise TraceError(f"{where}: request {rid!r} was never added")
+                if n > cfg.spec_tokens:
+                    raise TraceError(f"{where}: accepted {n} > spec_tokens {cfg.spec_tokens}")

@@ -1,0 +1,107 @@
+"""Observations: what a target reports, and all that properties may read.
+
+``Target.apply(event)`` returns an :class:`Observed`: the things that happened
+while the event ran, in the order they happened (``items``), and a snapshot of
+counters afterwards (``counters``).
+
+Item kinds:
+
+* :class:`StepObs`: a step was scheduled. For each request in it: the
+  interval ``[start, end)`` of positions it computes (spec tokens included,
+  the last ``spec`` of them are drafts), the tokens a connector loads for it in
+  this step (positions ``[start - loaded, start)``), and per KV-cache group the
+  full block table (physical ids, ``NULL`` = 0) it was scheduled with.
+* :class:`AllocObs`: a physical block was handed to a request (a new block or
+  a prefix-cache hit) at a logical slot of a group.
+* :class:`FreeObs`: a request let go of a physical block (its reference was
+  dropped; with prefix caching the block may stay cached in the pool), and
+  why: ``window`` (out of the attention window), ``finish``, ``abort``,
+  ``preempt``, ``failed_load``.
+* :class:`ProcessObs`: the oldest unprocessed step's output was handed back,
+  with the drafts accepted per request and the requests whose output was
+  discarded (preempted, finished or failed meanwhile).
+* :class:`FinishObs`: a request ended (finished on its own by reaching
+  ``max_new_tokens``, or by a Finish/Abort event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+NULL = 0
+
+REASONS = ("window", "finish", "abort", "preempt", "failed_load")
+
+
+@dataclass(frozen=True)
+class ReqStep:
+    rid: str
+    start: int
+    end: int
+    spec: int = 0  # draft tokens among [start, end): the last `spec` positions
+    loaded: int = 0  # positions [start - loaded, start) loaded by a connector in this step
+    tables: tuple[tuple[int, ...], ...] = ()  # per group, logical slot -> physical id
+
+
+@dataclass(frozen=True)
+class StepObs:
+    step: int  # 0, 1, 2, ... in schedule order
+    reqs: tuple[ReqStep, ...]
+
+
+@dataclass(frozen=True)
+class AllocObs:
+    block: int
+    group: int
+    rid: str
+    logical: int
+    cached: bool = False  # a prefix-cache hit (the block may be shared)
+
+
+@dataclass(frozen=True)
+class FreeObs:
+    block: int
+    group: int
+    rid: str
+    logical: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProcessObs:
+    step: int
+    accepted: tuple[tuple[str, int], ...] = ()  # (rid, accepted drafts)
+    discarded: tuple[str, ...] = ()  # requests whose output in this step was dropped
+    failed: tuple[tuple[str, int], ...] = ()  # (rid, first bad block) of a failed load
+
+
+@dataclass(frozen=True)
+class FinishObs:
+    rid: str
+    reason: str  # "length", "finish", "abort"
+
+
+Item = Union[StepObs, AllocObs, FreeObs, ProcessObs, FinishObs]
+
+
+@dataclass(frozen=True)
+class ReqCounters:
+    computed: int  # num_computed_tokens (optimistic count c)
+    in_flight: Optional[int]  # num_in_flight_tokens where the target has it, else None
+    live: tuple[int, ...]  # non-NULL blocks held, per group
+    status: str = "running"  # waiting | running | preempted | finished
+
+
+@dataclass(frozen=True)
+class Counters:
+    free_blocks: int  # blocks in the pool's free queue (cached-but-free included)
+    total_blocks: int  # the pool, NULL block included
+    reqs: dict[str, ReqCounters] = field(default_factory=dict)
+    bound: tuple[int, ...] = ()  # per group: the live-block bound the target sizes for
+
+
+@dataclass
+class Observed:
+    items: list[Item] = field(default_factory=list)
+    counters: Optional[Counters] = None

@@ -1,0 +1,73 @@
+"""Freeing policies: which count a manager hands to its freeing rule.
+
+A policy is a function ``(group, counts) -> n``; the manager then frees the
+leading ``windows.freeable(group, n, B)`` logical blocks of the request.
+``counts`` carries, for one request at the moment of freeing:
+
+* ``computed`` (``c``): the optimistic count, advanced at schedule time;
+* ``in_flight`` (``f``): tokens of unprocessed steps (scheduled, spec included);
+* ``loading``: tokens a connector is still loading (a load can still fail);
+* ``spec``: draft tokens among the in-flight tokens.
+
+Adding a policy is a few lines::
+
+    from model.policy import register
+
+    @register("my-fence")
+    def my_fence(group, counts):
+        return counts.computed - counts.in_flight - counts.loading
+
+and then ``./kvcheck fuzz --policy my-fence`` and ``./kvcheck prove --policy
+my-fence`` judge it (the reference manager picks it up by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .events import Group
+
+
+@dataclass(frozen=True)
+class Counts:
+    computed: int
+    in_flight: int = 0
+    loading: int = 0
+    spec: int = 0
+
+
+PolicyFn = Callable[[Group, Counts], int]
+REGISTRY: dict[str, PolicyFn] = {}
+DESCRIPTIONS: dict[str, str] = {}
+
+
+def register(name: str, description: str = "") -> Callable[[PolicyFn], PolicyFn]:
+    def deco(fn: PolicyFn) -> PolicyFn:
+        REGISTRY[name] = fn
+        DESCRIPTIONS[name] = description or (fn.__doc__ or "").strip().splitlines()[0]
+        return fn
+
+    return deco
+
+
+def basis(policy: str, group: Group, counts: Counts) -> int:
+    """The count the freeing rule sees, never below 0."""
+    return max(0, REGISTRY[policy](group, counts))
+
+
+@register("optimistic", "free on num_computed_tokens (vLLM <= 0.25.1)")
+def optimistic(group: Group, counts: Counts) -> int:
+    return counts.computed
+
+
+@register("settled", "free on num_computed_tokens - num_in_flight_tokens (the fix)")
+def settled(group: Group, counts: Counts) -> int:
+    return counts.computed - counts.in_flight - counts.loading
+
+
+@register("mamba-local", "subtract in-flight spec tokens for Mamba groups only (partial patch)")
+def mamba_local(group: Group, counts: Counts) -> int:
+    if group.kind == "mamba":
+        return counts.computed - counts.spec
+    return counts.computed
