@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 TRACE_VERSION = 1
 
@@ -91,7 +91,7 @@ class Abort:
     id: str
 
 
-Event = Union[AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort]
+Event = AddRequest | Schedule | Process | Preempt | FailLoad | Finish | Abort
 EVENT_TYPES: dict[str, type] = {
     c.__name__: c for c in (AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort)
 }
@@ -238,7 +238,8 @@ class Config:
                 raise TraceError(f"config: {g.kind} needs a positive window/chunk, got {g.param}")
             if g.kind == "chunked_local" and g.param % self.block_size:
                 raise TraceError(
-                    f"config: chunk {g.param} must be a multiple of the block size {self.block_size}"
+                    f"config: chunk {g.param} must be a multiple of the block size "
+                    f"{self.block_size}"
                 )
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "depth"):
@@ -246,7 +247,9 @@ class Config:
             if not _is_int(v) or v < 1:
                 raise TraceError(f"config: {name} must be a positive integer, got {v!r}")
         if not _is_int(self.spec_tokens) or self.spec_tokens < 0:
-            raise TraceError(f"config: spec_tokens must be an integer >= 0, got {self.spec_tokens!r}")
+            raise TraceError(
+                f"config: spec_tokens must be an integer >= 0, got {self.spec_tokens!r}"
+            )
         if self.depth > 4:
             raise TraceError(f"config: depth {self.depth} unsupported (1 sync, 2 async, 3-4 PP)")
         if self.num_blocks < 2:
@@ -258,7 +261,9 @@ class Config:
                 f"config: unknown policy {self.policy!r} (known: {', '.join(REGISTRY)})"
             )
         if self.hazard not in HAZARDS:
-            raise TraceError(f"config: unknown hazard {self.hazard!r} (known: {', '.join(HAZARDS)})")
+            raise TraceError(
+                f"config: unknown hazard {self.hazard!r} (known: {', '.join(HAZARDS)})"
+            )
         if not isinstance(self.prefix_caching, bool):
             raise TraceError("config: prefix_caching must be true or false")
         if self.max_num_batched_tokens <= self.spec_tokens:
@@ -332,7 +337,8 @@ class Trace:
             raise TraceError("trace: expected a JSON object")
         if d.get("version") != TRACE_VERSION:
             raise TraceError(
-                f"trace: unsupported version {d.get('version')!r} (this kvcheck reads {TRACE_VERSION})"
+                f"trace: unsupported version {d.get('version')!r} "
+                f"(this kvcheck reads {TRACE_VERSION})"
             )
         extra = set(d) - {"version", "config", "events", "meta"}
         if extra:

@@ -27,7 +27,6 @@ Item kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 NULL = 0
 
@@ -82,13 +81,13 @@ class FinishObs:
     reason: str  # "length", "finish", "abort"
 
 
-Item = Union[StepObs, AllocObs, FreeObs, ProcessObs, FinishObs]
+Item = StepObs | AllocObs | FreeObs | ProcessObs | FinishObs
 
 
 @dataclass(frozen=True)
 class ReqCounters:
     computed: int  # num_computed_tokens (optimistic count c)
-    in_flight: Optional[int]  # num_in_flight_tokens where the target has it, else None
+    in_flight: int | None  # num_in_flight_tokens where the target has it, else None
     live: tuple[int, ...]  # non-NULL blocks held, per group
     status: str = "running"  # waiting | running | preempted | finished
 
@@ -104,4 +103,4 @@ class Counters:
 @dataclass
 class Observed:
     items: list[Item] = field(default_factory=list)
-    counters: Optional[Counters] = None
+    counters: Counters | None = None

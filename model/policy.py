@@ -23,8 +23,8 @@ my-fence`` judge it (the reference manager picks it up by name).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .events import Group
 

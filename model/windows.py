@@ -95,9 +95,7 @@ def live_bound(g: Group, block_size: int, max_model_len: int, tokens_ahead: int)
     full = blocks_for(max_model_len, block_size)
     if g.kind == "full":
         return full
-    if g.kind == "sliding":
-        span = g.param - 1 + tokens_ahead
-    elif g.kind == "chunked_local":
+    if g.kind == "sliding" or g.kind == "chunked_local":
         span = g.param - 1 + tokens_ahead
     elif g.kind == "mamba":
         span = 1 + tokens_ahead

@@ -1,0 +1,412 @@
+"""The properties of DESIGN.md as checks over observations.
+
+A :class:`Checker` is fed, event by event, what a target reported
+(:class:`model.observations.Observed`) and keeps a shadow of what matters:
+the unprocessed steps with the tables they were scheduled with, each
+request's settled count ``p``, who holds which block. It returns
+:class:`Violation` s, each naming the property, the step, the request, the
+block and the positions, in one line.
+
+1. ``freed-while-read``: a block returned while an unprocessed step may still
+   read it, or (out-of-window frees) that a rollback could make needed again;
+2. ``null-read``: a step's window, through its table, hits NULL or a block
+   the request does not hold;
+3. ``pool-accounting``: free + owned + NULL = total, no double free, no leak;
+4. ``in-flight-accounting``: ``f`` equals the unprocessed steps' tokens and
+   ``c = p + f + loading``; ``f = 0`` when idle;
+5. ``admission-bound``: live blocks per request within the manager's bound;
+6. ``sync-unchanged``: at depth 1 a policy behaves exactly like ``settled``
+   (checked by the runner with a twin target, see :func:`compare_twin`).
+
+Witnesses count how often a run reached the situations these are about.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from model.events import Config, Event
+from model.observations import (
+    NULL,
+    AllocObs,
+    FinishObs,
+    FreeObs,
+    Observed,
+    ProcessObs,
+    ReqStep,
+    StepObs,
+)
+from model.windows import freeable, live_bound, read_blocks, window
+
+PROPERTIES = {
+    1: "freed-while-read",
+    2: "null-read",
+    3: "pool-accounting",
+    4: "in-flight-accounting",
+    5: "admission-bound",
+    6: "sync-unchanged",
+}
+
+WITNESSES = {
+    "free_while_in_flight": "a window free while another step of the request was in flight",
+    "rollback_near_free": "a draft rejection in a request with freed (NULL) slots",
+    "preempt_in_flight": "a preemption with steps of the request in flight",
+    "failed_load": "a failed connector load, recomputed",
+    "failed_load_in_flight": "a failed load with another step of the request in flight",
+    "block_reused": "a block handed to a request after another request let it go",
+    "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    prop: int
+    message: str
+    step: int | None = None
+    rid: str | None = None
+    block: int | None = None
+    event_index: int | None = None
+
+    @property
+    def name(self) -> str:
+        return PROPERTIES[self.prop]
+
+    def __str__(self) -> str:
+        return f"property {self.prop} ({self.name}): {self.message}"
+
+
+@dataclass
+class _Pending:
+    """One request's part of an unprocessed step, as the checker sees it."""
+
+    step: int
+    rs: ReqStep
+    shift: int = 0  # positions it computes moved down by rejections of earlier steps
+    dead: bool = False  # output will be discarded (preempted / failed / ended)
+
+    @property
+    def start(self) -> int:
+        return self.rs.start - self.shift
+
+    @property
+    def end(self) -> int:
+        return self.rs.end - self.shift
+
+
+@dataclass
+class _Req:
+    p: int | None = None  # settled count; None until first scheduled
+    ended: bool = False
+    deferred: list[FreeObs] = field(default_factory=list)
+    window_freed: int = 0
+    last_freeable: dict[int, int] = field(default_factory=dict)
+
+
+def expected_witnesses(cfg: Config) -> set[str]:
+    """The witnesses a run of this config family can reach."""
+    local = any(g.kind != "full" for g in cfg.groups)
+    out = {"block_reused"}
+    if local:
+        out.add("window_edge_crossing")
+    if cfg.depth >= 2 and local:
+        out.add("free_while_in_flight")
+    if cfg.spec_tokens and local:
+        out.add("rollback_near_free")
+    if cfg.depth >= 2:
+        out.add("preempt_in_flight")
+    return out
+
+
+class Checker:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.B = cfg.block_size
+        self.pending: list[list[_Pending]] = []  # unprocessed steps, oldest first
+        self.pending_ids: list[int] = []
+        self.reqs: dict[str, _Req] = defaultdict(_Req)
+        self.holder: dict[tuple[str, int, int], int] = {}  # (rid, group, logical) -> block
+        self.refs: Counter[int] = Counter()  # block -> references held
+        self.last_owner: dict[int, str] = {}
+        self.witness: Counter[str] = Counter()
+        self.event_index = -1
+        self.violations: list[Violation] = []
+        self._bound_default = tuple(
+            live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
+            for g in cfg.groups
+        )
+
+    # ------------------------------------------------------------ public
+
+    def feed(self, event: Event | None, obs: Observed) -> list[Violation]:
+        """Check what one event produced; returns the new violations."""
+        self.event_index += 1
+        before = len(self.violations)
+        for item in obs.items:
+            if isinstance(item, FreeObs):
+                self._free(item)
+            elif isinstance(item, AllocObs):
+                self._alloc(item)
+            elif isinstance(item, StepObs):
+                self._step(item)
+            elif isinstance(item, ProcessObs):
+                self._process(item)
+            elif isinstance(item, FinishObs):
+                self.reqs[item.rid].ended = True
+                self.mark_dead(item.rid)
+        for rid, req in self.reqs.items():
+            if req.deferred and req.p is not None and not self._live_pending(rid):
+                for f in req.deferred:
+                    self._check_window_free(f, req.p)
+                req.deferred.clear()
+        if obs.counters is not None:
+            self._counters(obs)
+        return self.violations[before:]
+
+    def in_flight_steps(self) -> int:
+        return len(self.pending)
+
+    def oldest_step(self) -> list[_Pending]:
+        return self.pending[0] if self.pending else []
+
+    # ------------------------------------------------------------ helpers
+
+    def _v(self, prop: int, msg: str, **kw) -> None:
+        self.violations.append(Violation(prop, msg, event_index=self.event_index, **kw))
+
+    def _live_pending(self, rid: str) -> list[_Pending]:
+        return [pp for step in self.pending for pp in step if pp.rs.rid == rid and not pp.dead]
+
+    def _may_read(self, rid: str) -> list[tuple[_Pending, int, int]]:
+        """Each unprocessed step of ``rid`` (dead ones too: their kernels still
+        run) with the lowest and highest position it may compute, rejections of
+        earlier steps' drafts taken at their worst."""
+        out = []
+        rollback = 0
+        for step in self.pending:
+            for pp in step:
+                if pp.rs.rid != rid:
+                    continue
+                out.append((pp, max(0, pp.start - (0 if pp.dead else rollback)), pp.end))
+                if not pp.dead:
+                    rollback += pp.rs.spec
+        return out
+
+    def _readers(self, rid: str, group: int, logical: int, block: int):
+        """Unprocessed steps of ``rid`` whose possible positions read ``logical``."""
+        g = self.cfg.groups[group]
+        for pp, lo, hi in self._may_read(rid):
+            table = pp.rs.tables[group] if group < len(pp.rs.tables) else ()
+            if logical < len(table) and table[logical] == block:
+                blocks = read_blocks(g, lo, hi, self.B)
+                if logical in blocks:
+                    # the first position whose window reaches this block
+                    for t in range(lo, hi):
+                        if window(g, t)[0] < (logical + 1) * self.B:
+                            return pp, t
+        return None
+
+    # ------------------------------------------------------------ items
+
+    def _alloc(self, a: AllocObs) -> None:
+        if a.block == NULL:
+            self._v(3, f"request {a.rid} was handed the NULL block at logical {a.logical}",
+                    rid=a.rid, block=a.block)
+            return
+        if self.refs[a.block] > 0 and not a.cached:
+            self._v(3, f"block {a.block} handed to {a.rid} (logical {a.logical}) while "
+                       f"still held ({self.refs[a.block]} reference(s))", rid=a.rid, block=a.block)
+        key = (a.rid, a.group, a.logical)
+        if key in self.holder and self.holder[key] != NULL:
+            self._v(3, f"{a.rid} logical {a.logical} (group {a.group}) got block {a.block} "
+                       f"while holding block {self.holder[key]} there", rid=a.rid, block=a.block)
+        prev = self.last_owner.get(a.block)
+        if prev is not None and prev != a.rid:
+            self.witness["block_reused"] += 1
+        self.last_owner[a.block] = a.rid
+        self.holder[key] = a.block
+        self.refs[a.block] += 1
+
+    def _free(self, f: FreeObs) -> None:
+        key = (f.rid, f.group, f.logical)
+        if self.holder.get(key) != f.block:
+            self._v(3, f"{f.rid} returned block {f.block} (logical {f.logical}, group "
+                       f"{f.group}, {f.reason}) that it does not hold (double free?)",
+                    rid=f.rid, block=f.block)
+            return
+        del self.holder[key]
+        self.refs[f.block] -= 1
+        if self.refs[f.block] < 0:
+            self._v(3, f"block {f.block} refcount below zero", block=f.block)
+        req = self.reqs[f.rid]
+        if f.reason == "window":
+            req.window_freed += 1
+            if len(self._live_pending(f.rid)) > 0:
+                self.witness["free_while_in_flight"] += 1
+            if not self._live_pending(f.rid):
+                # freed while (re)entering a step: judged once the step shows
+                # where the request starts (prefix hit, load, recompute)
+                req.deferred.append(f)
+            else:
+                self._check_window_free(f, req.p)
+        else:
+            if f.reason == "preempt" and self._live_pending(f.rid):
+                self.witness["preempt_in_flight"] += 1
+            if self.refs[f.block] == 0 and self.cfg.hazard == "unordered":
+                self._check_returned(f)
+
+    def _check_window_free(self, f: FreeObs, p: int) -> None:
+        g = self.cfg.groups[f.group]
+        ok_below = freeable(g, p, self.B)
+        hit = self._readers(f.rid, f.group, f.logical, f.block)
+        if hit is not None:
+            pp, t = hit
+            lo = window(g, t)[0]
+            self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
+                       f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
+                       f"out-of-window "
+                       f"while step {pp.step} is unprocessed and position {t} of it reads "
+                       f"[{lo}, {t}] (settled count {p}, {g.label()})",
+                    step=pp.step, rid=f.rid, block=f.block)
+        elif f.logical >= ok_below:
+            lo = window(g, p)[0]
+            self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
+                       f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
+                       f"out-of-window "
+                       f"though a rollback to the settled count {p} needs [{lo}, {p}] "
+                       f"({g.label()})", rid=f.rid, block=f.block)
+
+    def _check_returned(self, f: FreeObs) -> None:
+        """A block went back to the pool (request-level): no unprocessed step
+        of any request may still read it, since an unordered writer may fill it."""
+        for step in self.pending:
+            for pp in step:
+                for gi, table in enumerate(pp.rs.tables):
+                    if gi != f.group:
+                        continue
+                    g = self.cfg.groups[gi]
+                    for lg in read_blocks(g, pp.start, pp.end, self.B):
+                        if lg < len(table) and table[lg] == f.block:
+                            self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
+                                       f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
+                                       f"it at logical {lg} (positions [{pp.start}, {pp.end}), "
+                                       f"unordered writer present)",
+                                    step=pp.step, rid=f.rid, block=f.block)
+                            return
+
+    def _step(self, s: StepObs) -> None:
+        row = []
+        for rs in s.reqs:
+            req = self.reqs[rs.rid]
+            if not self._live_pending(rs.rid):
+                req.p = rs.start - rs.loaded
+                for f in req.deferred:
+                    self._check_window_free(f, req.p)
+                req.deferred.clear()
+            pp = _Pending(s.step, rs)
+            self._check_reads(pp, "scheduled")
+            for gi, g in enumerate(self.cfg.groups):
+                n = freeable(g, rs.end, self.B)
+                if n > req.last_freeable.get(gi, 0):
+                    self.witness["window_edge_crossing"] += 1
+                req.last_freeable[gi] = n
+            row.append(pp)
+        self.pending.append(row)
+        self.pending_ids.append(s.step)
+
+    def _check_reads(self, pp: _Pending, when: str) -> None:
+        rs = pp.rs
+        for gi, g in enumerate(self.cfg.groups):
+            table = rs.tables[gi] if gi < len(rs.tables) else ()
+            for lg in read_blocks(g, pp.start, pp.end, self.B):
+                blk = table[lg] if lg < len(table) else None
+                held = self.holder.get((rs.rid, gi, lg))
+                if blk is None or blk == NULL or held != blk:
+                    t = next((t for t in range(max(pp.start, lg * self.B), pp.end)
+                              if window(g, t)[0] < (lg + 1) * self.B), pp.start)
+                    what = ("no block" if blk is None else "the NULL block" if blk == NULL
+                            else f"block {blk}, which {rs.rid} does not hold")
+                    self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
+                               f"[{pp.start}, {pp.end}); position {t} reads [{window(g, t)[0]}, "
+                               f"{t}] ({g.label()}) but logical block {lg} maps to {what}",
+                            step=pp.step, rid=rs.rid, block=blk)
+                    return
+
+    def _process(self, po: ProcessObs) -> None:
+        if not self.pending:
+            self._v(4, f"output of step {po.step} processed but no step is in flight",
+                    step=po.step)
+            return
+        sid = self.pending_ids.pop(0)
+        row = self.pending.pop(0)
+        if sid != po.step:
+            self._v(4, f"step {po.step} processed while step {sid} is the oldest in flight",
+                    step=po.step)
+        accepted = dict(po.accepted)
+        failed = dict(po.failed)
+        discarded = set(po.discarded)
+        for pp in row:
+            rid = pp.rs.rid
+            req = self.reqs[rid]
+            if rid in failed:
+                self.witness["failed_load"] += 1
+                if self._live_pending(rid):
+                    self.witness["failed_load_in_flight"] += 1
+                req.p = failed[rid] * self.B
+                for later in self._live_pending(rid):
+                    later.dead = True
+                continue
+            if pp.dead or rid in discarded:
+                continue
+            rejected = pp.rs.spec - accepted.get(rid, pp.rs.spec)
+            req.p = pp.end - rejected
+            if rejected > 0:
+                if req.window_freed:
+                    self.witness["rollback_near_free"] += 1
+                for later in self._live_pending(rid):
+                    later.shift += rejected
+                    self._check_reads(later, f"shifted down {later.shift} by rejection")
+        for rid in discarded:
+            for later in self._live_pending(rid):
+                later.dead = True
+
+    def mark_dead(self, rid: str) -> None:
+        """A request was preempted / ended: its in-flight outputs no longer count."""
+        for pp in self._live_pending(rid):
+            pp.dead = True
+
+    def _counters(self, obs: Observed) -> None:
+        c = obs.counters
+        owned = sum(1 for b, n in self.refs.items() if n > 0)
+        if c.free_blocks + owned + 1 != c.total_blocks:
+            self._v(3, f"pool accounting: free {c.free_blocks} + owned {owned} + NULL 1 != total "
+                       f"{c.total_blocks}")
+        live_reqs = [r for r, rc in c.reqs.items() if rc.status != "finished"]
+        if not live_reqs and not self.pending and c.free_blocks != c.total_blocks - 1:
+            self._v(3, f"leak: no request is live and nothing is in flight, yet only "
+                       f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
+        bound = c.bound or self._bound_default
+        for rid, rc in c.reqs.items():
+            if rc.status in ("finished",):
+                continue
+            if rc.status in ("preempted", "waiting"):
+                self.mark_dead(rid)
+            for gi, n in enumerate(rc.live):
+                if gi < len(bound) and n > bound[gi]:
+                    self._v(5, f"{rid} holds {n} live blocks in group {gi} "
+                               f"({self.cfg.groups[gi].label()}), above the bound {bound[gi]}",
+                            rid=rid)
+            if rc.status in ("preempted", "waiting"):
+                continue
+            live = self._live_pending(rid)
+            exp_f = sum(pp.rs.end - pp.rs.start for pp in live)
+            if rc.in_flight is not None and rc.in_flight != exp_f:
+                self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
+                           f"steps hold {exp_f}", rid=rid)
+            req = self.reqs.get(rid)
+            if req is not None and req.p is not None and live:
+                loading = live[0].rs.loaded
+                exp_c = req.p + exp_f + loading
+                if rc.computed != exp_c:
+                    self._v(4, f"{rid} num_computed_tokens is {rc.computed}; settled {req.p} + "
+                               f"in flight {exp_f} + loading {loading} = {exp_c}", rid=rid)
