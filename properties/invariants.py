@@ -131,6 +131,7 @@ class Checker:
         self.witness: Counter[str] = Counter()
         self.event_index = -1
         self.violations: list[Violation] = []
+        self.failing: set[str] = set()  # requests with a FailLoad pending
         self._bound_default = tuple(
             live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
             for g in cfg.groups
@@ -349,6 +350,7 @@ class Checker:
             rid = pp.rs.rid
             req = self.reqs[rid]
             if rid in failed:
+                self.failing.discard(rid)
                 self.witness["failed_load"] += 1
                 if self._live_pending(rid):
                     self.witness["failed_load_in_flight"] += 1

@@ -1,0 +1,147 @@
+"""``./kvcheck check`` (``make check``): the main job and its verdict table.
+
+1. prove: Z3 proofs for every kind under ``settled``, refutations of the
+   broken policies;
+2. fuzz: every kind and a hybrid config under ``settled`` on the target; a
+   violation or a vacuous run fails the job;
+3. power: the checker must still find the known bugs (``optimistic`` at
+   depth 2 for sliding and chunked-local) - a checker that finds nothing
+   there is broken, not reassuring;
+4. attention: the fixed traces replayed through real attention.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from model.events import Trace
+
+
+@dataclass
+class Row:
+    part: str
+    subject: str
+    verdict: str
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def _fuzz_rows(a) -> list[Row]:
+    from properties.machine import FuzzSpec, fuzz
+
+    rows = []
+    for kind in ("full", "sliding", "chunked_local", "mamba", "hybrid"):
+        spec = FuzzSpec(target=a.target, kind=kind, policy="settled")
+        res = fuzz(spec, examples=a.examples, seed=a.seed)
+        ev = sum(res.stats.events.values())
+        if res.crash:
+            rows.append(Row("fuzz", kind, "target failed", False, res.crash.splitlines()[0],
+                            res.seconds))
+        elif res.violation:
+            path = res.trace.save(Path(a.out) / f"check-{kind}.json")
+            rows.append(Row("fuzz", kind, f"VIOLATION p{res.violation.prop}", False,
+                            f"{res.violation.message[:90]}... ({path})", res.seconds))
+        elif res.vacuous:
+            rows.append(Row("fuzz", kind, "VACUOUS", False,
+                            "never reached: " + ", ".join(res.vacuous), res.seconds))
+        else:
+            w = sum(1 for k in res.stats.expected if res.stats.witness.get(k))
+            rows.append(Row("fuzz", kind, "holds", True,
+                            f"{res.stats.examples} examples, {ev} events, "
+                            f"{w}/{len(res.stats.expected)} witnesses", res.seconds))
+    return rows
+
+
+def _power_rows(a) -> list[Row]:
+    from properties.machine import FuzzSpec, fuzz
+
+    rows = []
+    for kind, prop in (("sliding", 1), ("chunked_local", 1)):
+        spec = FuzzSpec(target="reference", kind=kind, policy="optimistic", depth=2)
+        res = fuzz(spec, examples=200, seed=a.seed)
+        found = res.violation is not None and res.violation.prop == prop
+        n = len(res.trace.events) if res.trace else 0
+        rows.append(Row("power", f"optimistic {kind} d2", "found" if found else "MISSED", found,
+                        f"property {res.violation.prop if res.violation else '-'} in {n} events",
+                        res.seconds))
+    return rows
+
+
+def _prove_rows(a) -> list[Row]:
+    try:
+        from model import proof
+    except ImportError as e:
+        return [Row("prove", "all", "MISSING", False, f"model.proof not importable: {e}")]
+    rows = []
+    for r in proof.prove_all():
+        expected_ok = (r.status == "proved") if r.policy == "settled" else (r.status == "refuted")
+        verdict = r.status
+        detail = r.covers if r.status == "proved" else r.detail
+        if r.trace is not None:
+            path = r.trace.save(Path(a.out) / f"prove-{r.kind}-{r.policy}.json")
+            detail = f"trace {path}"
+        rows.append(Row("prove", f"{r.kind} {r.policy}", verdict, expected_ok, detail[:100],
+                        r.seconds))
+    return rows
+
+
+def _attention_rows(a) -> list[Row]:
+    try:
+        from properties.attention import replay_attention
+    except ImportError as e:
+        return [Row("attention", "all", "MISSING", False, f"properties.attention: {e}")]
+    rows = []
+    for path in sorted(Path("traces/attention").glob("*.json")):
+        t0 = time.perf_counter()
+        trace = Trace.load(path)
+        rep = replay_attention(trace, target_spec="reference")
+        expect_bad = bool(trace.meta.get("expect_violation"))
+        ok = (not rep.ok) if expect_bad else rep.ok
+        verdict = ("garbled/NaN as expected" if expect_bad and not rep.ok
+                   else "clean" if rep.ok else "GARBLED")
+        if expect_bad and rep.ok:
+            verdict = "MISSED"
+        rows.append(Row("attention", path.stem, verdict, ok,
+                        f"{rep.device} max err {rep.max_err:.2e}, NaN reads {rep.nan_reads}",
+                        time.perf_counter() - t0))
+    if not rows:
+        rows.append(Row("attention", "traces/attention", "MISSING", False, "no traces"))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    w = [max(len(x) for x in col) for col in zip(
+        *[(r.part, r.subject, r.verdict) for r in rows], strict=True)]
+    out = [f"{'part':<{w[0]}}  {'subject':<{w[1]}}  {'verdict':<{w[2]}}  {'s':>6}  detail"]
+    out.append("-" * (sum(w) + 30))
+    for r in rows:
+        out.append(f"{r.part:<{w[0]}}  {r.subject:<{w[1]}}  {r.verdict:<{w[2]}}  "
+                   f"{r.seconds:6.1f}  {r.detail}")
+    return "\n".join(out)
+
+
+def run_check(a) -> int:
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    parts = [("prove", _prove_rows), ("fuzz", _fuzz_rows), ("power", _power_rows),
+             ("attention", _attention_rows)]
+    for name, fn in parts:
+        if name in a.skip:
+            continue
+        new = fn(a)
+        for r in new:
+            print(f"[{r.part}] {r.subject}: {r.verdict} ({r.seconds:.1f}s)", flush=True)
+        rows.extend(new)
+    table = format_table(rows)
+    ok = all(r.ok for r in rows)
+    verdict = "PASS" if ok else "FAIL"
+    print()
+    print(table)
+    print(f"\nverdict: {verdict} ({time.perf_counter() - t0:.0f}s)")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check.md").write_text(f"# kvcheck check\n\n```\n{table}\n```\n\nverdict: {verdict}\n")
+    return 0 if ok else 1

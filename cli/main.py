@@ -1,0 +1,294 @@
+"""The ``./kvcheck`` command line.
+
+Exit status: 0 all properties hold, 1 a violation (counterexample printed and
+saved as a trace), 2 bad input or usage (one clear line), 3 the target failed
+or is unsupported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from impl.target import TargetCrash, TargetError, Unsupported
+from model.events import KINDS, TraceError
+from properties.replay import InvalidEvent
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_TARGET = 0, 1, 2, 3
+ALL_KINDS = (*KINDS, "hybrid")
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvcheck",
+        description="Check the KV-cache block freeing logic of vLLM v1 (and our reference "
+                    "manager) against the invariant: a block is freed only when it is outside "
+                    "every unprocessed step's window and no rollback can make it needed again.",
+        epilog="exit status: 0 hold, 1 violation, 2 bad input, 3 target failed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
+
+    f = sub.add_parser(
+        "fuzz", help="drive a target with the Hypothesis state machine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck fuzz --target reference --kind sliding --policy optimistic "
+               "--depth 2\n  ./kvcheck fuzz --target vllm@0.25.1 --kind chunked_local --depth 2")
+    f.add_argument("--target", default="reference",
+                   help="reference | vllm@VERSION | vllm@PATH (default reference)")
+    f.add_argument("--kind", default="sliding", choices=ALL_KINDS)
+    f.add_argument("--policy", default=None,
+                   help="freeing policy of the reference target (default settled; vLLM targets "
+                        "implement their own)")
+    f.add_argument("--depth", type=int, default=None, help="steps in flight: 1 sync, 2 async, "
+                   "3-4 pipeline parallel (default: drawn)")
+    f.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per decode "
+                   "(default: drawn 0-3)")
+    f.add_argument("--hazard", choices=("ordered", "unordered"), default=None,
+                   help="unordered: a KV-consumer connector may write freed blocks at once")
+    f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
+    f.add_argument("--block-size", type=int, default=None)
+    f.add_argument("--no-external", action="store_true",
+                   help="no connector-loaded tokens (and so no failed loads)")
+    f.add_argument("--examples", type=int, default=200)
+    f.add_argument("--steps", type=int, default=30, help="events per example at most")
+    f.add_argument("--seed", type=int, default=None)
+    f.add_argument("--db", default=None,
+                   help="Hypothesis example database directory (failures replay first)")
+    f.add_argument("--out", default="counterexamples",
+                   help="where counterexample traces are saved (default counterexamples/)")
+    f.add_argument("--attention-every", type=int, default=0, metavar="N",
+                   help="also confirm every Nth example numerically with attention replay")
+    f.add_argument("--quiet", action="store_true")
+
+    r = sub.add_parser(
+        "replay", help="re-run a saved trace on a target",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck replay counterexamples/sliding-optimistic.json "
+               "--target vllm@0.33.0 --attention")
+    r.add_argument("trace")
+    r.add_argument("--target", default=None,
+                   help="default: the trace's own target, else reference")
+    r.add_argument("--policy", default=None, help="override the trace's policy (reference)")
+    r.add_argument("--attention", action="store_true",
+                   help="also replay through real attention (CUDA where present, else CPU)")
+    r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+
+    pr = sub.add_parser(
+        "prove", help="prove the invariant with Z3; refute broken policies",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck prove --kind sliding --policy settled")
+    pr.add_argument("--kind", default=None, choices=(*KINDS,))
+    pr.add_argument("--policy", default=None)
+    pr.add_argument("--out", default="counterexamples")
+
+    c = sub.add_parser(
+        "check", help="the main job: prove, fuzz every kind, replay attention; a verdict table",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck check --examples 300")
+    c.add_argument("--target", default="reference")
+    c.add_argument("--examples", type=int, default=300)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="reports")
+    c.add_argument("--skip", action="append", default=[],
+                   choices=("prove", "fuzz", "attention", "power"),
+                   help="leave a part out (repeatable)")
+    return p
+
+
+# --------------------------------------------------------------------- fuzz
+
+
+def _summary(res, verbose: bool = True) -> str:
+    st = res.stats
+    lines = [f"target {res.spec.target}  kind {res.spec.kind}  policy {res.spec.policy}  "
+             f"examples {st.examples}  {res.seconds:.1f}s"]
+    ev = ", ".join(f"{k} {v}" for k, v in sorted(st.events.items()))
+    lines.append(f"events: {ev or 'none'}")
+    if verbose:
+        from properties.invariants import WITNESSES
+
+        wl = ", ".join(f"{k} {st.witness.get(k, 0)}" for k in WITNESSES)
+        lines.append(f"witnesses: {wl}")
+    return "\n".join(lines)
+
+
+def cmd_fuzz(a) -> int:
+    from properties.machine import FuzzSpec, fuzz
+    from properties.replay import format_timeline, replay
+
+    policy = a.policy or "settled"
+    spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
+                    spec_tokens=a.spec_tokens, hazard=a.hazard,
+                    prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
+                    block_size=a.block_size, external=not a.no_external, max_steps=a.steps)
+    _validate_spec(spec, a)
+    db = None
+    if a.db:
+        from properties.database import open_database
+
+        db = open_database(a.db)
+    from impl.target import make_target
+
+    target = make_target(a.target)
+    _check_capabilities(target, spec)
+    res = fuzz(spec, examples=a.examples, seed=a.seed, database=db, target=target)
+    print(_summary(res))
+    if res.crash:
+        path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
+        print("verdict: TARGET FAILED")
+        print(res.crash)
+        if path:
+            print(f"trace saved: {path}")
+        return EXIT_TARGET
+    if res.violation is not None:
+        name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{policy}"
+        path = res.trace.save(Path(a.out) / f"{name}.json")
+        print(f"verdict: VIOLATION of property {res.violation.prop} ({res.violation.name}) "
+              f"after shrinking to {len(res.trace.events)} events")
+        rr = replay(res.trace, target)
+        print(format_timeline(rr))
+        print(f"trace saved: {path}")
+        print(f"replay: ./kvcheck replay {path} --target {a.target}")
+        return EXIT_VIOLATION
+    vac = res.vacuous
+    if vac:
+        print(f"verdict: VACUOUS (never reached: {', '.join(vac)})")
+        return EXIT_VIOLATION
+    print("verdict: all properties hold")
+    return EXIT_OK
+
+
+def _validate_spec(spec, a) -> None:
+    from model.policy import REGISTRY
+
+    if spec.policy not in REGISTRY:
+        raise UsageError(f"unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
+    if spec.depth is not None and not 1 <= spec.depth <= 4:
+        raise UsageError(f"--depth {spec.depth}: must be 1 (sync), 2 (async) or 3-4 (PP)")
+    if spec.spec_tokens is not None and not 0 <= spec.spec_tokens <= 8:
+        raise UsageError(f"--spec-tokens {spec.spec_tokens}: must be 0-8")
+    if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
+        raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
+    if a.examples < 1 or a.steps < 1:
+        raise UsageError("--examples and --steps must be positive")
+
+
+def _check_capabilities(target, spec) -> None:
+    caps = target.capabilities
+    if spec.kind not in caps.kinds:
+        raise Unsupported(f"target {target.name} does not support kind {spec.kind}")
+    if caps.fixed_policy and spec.policy not in ("settled", caps.fixed_policy):
+        raise Unsupported(f"target {target.name} implements the {caps.fixed_policy} policy; "
+                          f"--policy {spec.policy} applies to the reference target only")
+    if caps.fixed_policy:
+        spec.policy = caps.fixed_policy
+
+
+# ------------------------------------------------------------------- replay
+
+
+def cmd_replay(a) -> int:
+    from dataclasses import replace as dc_replace
+
+    from model.events import Trace
+    from properties.replay import format_timeline, replay
+
+    trace = Trace.load(a.trace)
+    if a.policy:
+        from model.policy import REGISTRY
+
+        if a.policy not in REGISTRY:
+            raise UsageError(f"unknown policy {a.policy!r}")
+        trace = Trace(dc_replace(trace.config, policy=a.policy), trace.events, trace.meta)
+    target = a.target or trace.meta.get("target") or "reference"
+    rr = replay(trace, target)
+    print(f"target {target}")
+    print(format_timeline(rr))
+    code = EXIT_OK
+    if rr.crash:
+        code = EXIT_TARGET
+    elif rr.first is not None:
+        print(f"verdict: VIOLATION of property {rr.first.prop} ({rr.first.name})")
+        code = EXIT_VIOLATION
+    else:
+        print("verdict: all properties hold")
+    if a.attention:
+        from properties.attention import format_report, replay_attention
+
+        rep = replay_attention(trace, target_spec=target, dtype=a.dtype)
+        print(format_report(rep))
+        if not rep.ok and code == EXIT_OK:
+            code = EXIT_VIOLATION
+    return code
+
+
+# -------------------------------------------------------------------- prove
+
+
+def cmd_prove(a) -> int:
+    from model import proof
+
+    kinds = [a.kind] if a.kind else None
+    policies = [a.policy] if a.policy else None
+    if a.policy:
+        from model.policy import REGISTRY
+
+        if a.policy not in REGISTRY:
+            raise UsageError(f"unknown policy {a.policy!r} (known: {', '.join(REGISTRY)})")
+    results = proof.prove_all(kinds=kinds, policies=policies)
+    for r in results:
+        if r.trace is not None:
+            path = r.trace.save(Path(a.out) / f"prove-{r.kind}-{r.policy}.json")
+            r.detail = (r.detail + f"; trace saved: {path}").strip("; ")
+    print(proof.format_results(results))
+    if not kinds and not policies:
+        print(proof.format_bounds(proof.admission_bounds()))
+    bad = [r for r in results if r.status == "unknown"
+           or (r.status == "refuted" and r.policy == "settled")]
+    return EXIT_VIOLATION if bad else EXIT_OK
+
+
+# -------------------------------------------------------------------- check
+
+
+def cmd_check(a) -> int:
+    from cli.check import run_check
+
+    return run_check(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        a = parser.parse_args(argv)
+        if a.cmd is None:
+            parser.print_help()
+            return EXIT_USAGE
+        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove,
+                "check": cmd_check}[a.cmd](a)
+    except (UsageError, TraceError, Unsupported) as e:
+        print(f"kvcheck: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except InvalidEvent as e:  # a trace event the target's state does not allow
+        print(f"kvcheck: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except TargetError as e:
+        print(f"kvcheck: target failed: {e}", file=sys.stderr)
+        return EXIT_TARGET
+    except TargetCrash as e:
+        print(f"kvcheck: target crashed:\n{e}", file=sys.stderr)
+        return EXIT_TARGET
+    except KeyboardInterrupt:
+        print("kvcheck: interrupted", file=sys.stderr)
+        return 130

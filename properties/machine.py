@@ -1,0 +1,321 @@
+"""The Hypothesis state machine: events as rules, properties as checks.
+
+One :class:`KVMachine` subclass is made per fuzz setting (target, kind,
+policy, and the knobs fixed on the command line); Hypothesis draws the rest
+of the config in the ``initialize`` rule and then interleaves the events of
+DESIGN.md. Preconditions come from the checker's shadow of the observations,
+so every target is driven the same way. After every rule the checker's
+verdict is asserted; a failure is shrunk by Hypothesis, and the shrunk
+example's config and events are kept on the class (``last``) to be saved as
+a trace.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from impl.target import Target, TargetCrash, Unsupported, make_target
+from model.events import (
+    Abort,
+    AddRequest,
+    Config,
+    Event,
+    FailLoad,
+    Finish,
+    Group,
+    Preempt,
+    Process,
+    Schedule,
+    Trace,
+)
+from model.observations import Observed
+from properties.invariants import Checker, Violation, expected_witnesses
+
+MAX_REQUESTS = 4
+
+
+class PropertyFailed(AssertionError):
+    def __init__(self, violation: Violation):
+        super().__init__(str(violation))
+        self.violation = violation
+
+
+@dataclass
+class FuzzSpec:
+    """What is fixed for a run; ``None`` lets Hypothesis draw it."""
+
+    target: str = "reference"
+    kind: str = "sliding"
+    policy: str = "settled"
+    depth: int | None = None
+    spec_tokens: int | None = None
+    hazard: str | None = None
+    prefix_caching: bool | None = None
+    block_size: int | None = None
+    external: bool = True  # whether requests may carry connector-loaded tokens
+    max_steps: int = 30
+
+    def key(self) -> str:
+        return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
+                f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}")
+
+
+@dataclass
+class RunStats:
+    examples: int = 0
+    events: Counter = field(default_factory=Counter)
+    witness: Counter = field(default_factory=Counter)
+    expected: set = field(default_factory=set)
+    configs: Counter = field(default_factory=Counter)
+
+
+def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
+    @st.composite
+    def build(draw: Any) -> Config:
+        B = spec.block_size or draw(st.sampled_from([16, 4, 8]))
+        depth = spec.depth or draw(st.integers(1, 4))
+        spec_tokens = spec.spec_tokens if spec.spec_tokens is not None else draw(
+            st.integers(0, 3))
+        hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
+        prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
+        window = draw(st.integers(1, 4 * B))
+        chunk = B * draw(st.integers(1, 4))
+        if spec.kind == "sliding":
+            groups = (Group("sliding", window),)
+        elif spec.kind == "chunked_local":
+            groups = (Group("chunked_local", chunk),)
+        elif spec.kind in ("full", "mamba"):
+            groups = (Group(spec.kind),)
+        elif spec.kind == "hybrid":
+            second = draw(st.sampled_from(["sliding", "chunked_local"]))
+            groups = (Group("full"), Group(second, window if second == "sliding" else chunk))
+        else:
+            raise Unsupported(f"unknown kind {spec.kind!r}")
+        budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
+        max_len = 8 * B * 4
+        num_blocks = draw(st.integers(6, 64))
+        return Config(groups=groups, block_size=B, num_blocks=num_blocks,
+                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
+                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
+                      policy=spec.policy, hazard=hazard, prefix_caching=prefix)
+
+    return build()
+
+
+class KVMachine(RuleBasedStateMachine):
+    spec: ClassVar[FuzzSpec]
+    stats: ClassVar[RunStats]
+    target: ClassVar[Target | None] = None
+    last: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg: Config | None = None
+        self.checker: Checker | None = None
+        self.events: list[Event] = []
+        self.counters = None
+        self.added: list[str] = []
+
+    # ----------------------------------------------------------- plumbing
+
+    def _apply(self, ev: Event) -> Observed:
+        cls = type(self)
+        self.events.append(ev)
+        cls.last = {"config": self.cfg, "events": list(self.events)}
+        try:
+            obs = cls.target.apply(ev)
+        except TargetCrash:
+            raise
+        except Exception as e:  # the target itself broke on a valid event
+            import traceback
+
+            raise TargetCrash(
+                f"{cls.target.name} raised {type(e).__name__} on {ev}:\n"
+                + traceback.format_exc()) from e
+        cls.stats.events[type(ev).__name__] += 1
+        if obs.counters is not None:
+            self.counters = obs.counters
+        violations = self.checker.feed(ev, obs)
+        if violations:
+            cls.last["violation"] = violations[0]
+            raise PropertyFailed(violations[0])
+        return obs
+
+    def _status(self, rid: str) -> str:
+        if self.counters is None or rid not in self.counters.reqs:
+            return "waiting"
+        return self.counters.reqs[rid].status
+
+    def _live(self) -> list[str]:
+        return [r for r in self.added if self._status(r) != "finished"]
+
+    # -------------------------------------------------------------- rules
+
+    @initialize(cfg=st.runner().flatmap(lambda m: config_strategy(m.spec)))
+    def setup(self, cfg: Config) -> None:
+        cls = type(self)
+        self.cfg = cfg
+        self.checker = Checker(cfg)
+        cls.stats.examples += 1
+        cls.stats.expected |= expected_witnesses(cfg)
+        cls.last = {"config": cfg, "events": []}
+        obs = cls.target.reset(cfg)
+        self.checker.feed(None, obs)
+        self.counters = obs.counters
+
+    @precondition(lambda self: self.cfg is not None and len(self.added) < MAX_REQUESTS)
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        cfg = self.cfg
+        B = cfg.block_size
+        prompt = data.draw(st.integers(1, 6 * B), label="prompt_len")
+        new = data.draw(st.integers(1, 2 * B), label="max_new_tokens")
+        ext = 0
+        if self.spec.external and prompt > 1:
+            ext = data.draw(st.one_of(st.just(0), st.integers(1, prompt - 1)), label="external")
+        rid = f"r{len(self.added)}"
+        self.added.append(rid)
+        self._apply(AddRequest(rid, prompt, new, ext))
+
+    @precondition(lambda self: self.cfg is not None
+                  and self.checker.in_flight_steps() < self.cfg.depth and self._live())
+    @rule()
+    def schedule(self) -> None:
+        self._apply(Schedule())
+
+    @precondition(lambda self: self.checker is not None and self.checker.in_flight_steps() > 0)
+    @rule(data=st.data())
+    def process(self, data: st.DataObject) -> None:
+        accepted = {}
+        for pp in self.checker.oldest_step():
+            if pp.rs.spec and not pp.dead:
+                accepted[pp.rs.rid] = data.draw(st.integers(0, pp.rs.spec),
+                                                label=f"accepted[{pp.rs.rid}]")
+        self._apply(Process(accepted))
+
+    def _holding(self) -> list[str]:
+        if self.counters is None:
+            return []
+        return [r for r in self._live()
+                if r in self.counters.reqs and self.counters.reqs[r].status == "running"
+                and sum(self.counters.reqs[r].live) > 0]
+
+    @precondition(lambda self: bool(self._holding()))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        self._apply(Preempt(data.draw(st.sampled_from(self._holding()), label="id")))
+
+    def _loading(self) -> list[tuple[str, int, int]]:
+        out = []
+        if self.checker is None:
+            return out
+        for step in self.checker.pending:
+            for pp in step:
+                if pp.rs.loaded and not pp.dead and pp.rs.rid not in self.checker.failing:
+                    B = self.cfg.block_size
+                    lo = (pp.rs.start - pp.rs.loaded) // B
+                    hi = (pp.rs.start - 1) // B
+                    out.append((pp.rs.rid, lo, hi))
+        return out
+
+    @precondition(lambda self: bool(self._loading()))
+    @rule(data=st.data())
+    def fail_load(self, data: st.DataObject) -> None:
+        rid, lo, hi = data.draw(st.sampled_from(self._loading()), label="load")
+        k = data.draw(st.integers(lo, hi), label="first_bad_block")
+        self.checker.failing.add(rid)
+        self._apply(FailLoad(rid, k))
+
+    @precondition(lambda self: bool(self._live()))
+    @rule(data=st.data(), abort=st.booleans())
+    def finish(self, data: st.DataObject, abort: bool) -> None:
+        rid = data.draw(st.sampled_from(self._live()), label="id")
+        self._apply(Abort(rid) if abort else Finish(rid))
+
+    def teardown(self) -> None:
+        if self.checker is not None:
+            type(self).stats.witness.update(self.checker.witness)
+
+
+def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
+    name = "KVMachine_" + "".join(c if c.isalnum() else "_" for c in spec.key())
+    cls = type(name, (KVMachine,), {"spec": spec, "stats": RunStats(), "target": target,
+                                    "last": {}})
+    cls._hypothesis_internal_add_digest = spec.key().encode()
+    return cls
+
+
+@dataclass
+class FuzzResult:
+    spec: FuzzSpec
+    stats: RunStats
+    violation: Violation | None = None
+    trace: Trace | None = None
+    crash: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def vacuous(self) -> list[str]:
+        return sorted(w for w in self.stats.expected if not self.stats.witness.get(w))
+
+
+def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
+         database: Any = None, target: Target | None = None,
+         on_example: Any = None) -> FuzzResult:
+    """Run the state machine; returns the verdict with the shrunk trace if any."""
+    import time
+
+    target = target or make_target(spec.target)
+    cls = make_machine(spec, target)
+    if seed is not None:
+        cls._hypothesis_internal_use_seed = seed
+    s = settings(
+        max_examples=examples,
+        stateful_step_count=spec.max_steps,
+        deadline=None,
+        database=database,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
+    t0 = time.perf_counter()
+    result = FuzzResult(spec, cls.stats)
+    try:
+        run_state_machine_as_test(cls, settings=s)
+    except PropertyFailed as e:
+        result.violation = e.violation
+    except TargetCrash as e:
+        result.crash = str(e)
+    except Exception as e:  # noqa: BLE001 - hypothesis wraps; report the first error
+        v = getattr(e, "violation", None)
+        if isinstance(v, Violation):
+            result.violation = v
+        else:
+            raise
+    result.seconds = time.perf_counter() - t0
+    if result.violation is not None or result.crash is not None:
+        last = cls.last
+        if last.get("config") is not None:
+            result.trace = Trace(last["config"], list(last["events"]),
+                                 meta={"target": spec.target,
+                                       "violation": str(result.violation or "target crash")})
+        if result.violation is None and "violation" in last:
+            result.violation = last["violation"]
+    return result
+
+
+def with_policy(cfg: Config, policy: str) -> Config:
+    return replace(cfg, policy=policy)
