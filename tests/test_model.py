@@ -1,0 +1,136 @@
+"""model/: events and traces round-trip and reject bad input; windows agree
+with their definitions."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from model.events import (
+    AddRequest,
+    Config,
+    FailLoad,
+    Group,
+    Process,
+    Schedule,
+    Trace,
+    TraceError,
+    config_for,
+)
+from model.policy import Counts, basis
+from model.windows import freeable, live_bound, read_blocks, skipped, window
+
+
+def _trace(**kw):
+    return Trace(config_for("sliding", **kw),
+                 [AddRequest("r0", 100, 8, 32), Schedule(), FailLoad("r0", 1),
+                  Process({"r0": 0})])
+
+
+def test_trace_round_trip(tmp_path):
+    t = _trace(spec_tokens=2)
+    p = t.save(tmp_path / "t.json")
+    back = Trace.load(p)
+    assert back.config == t.config
+    assert back.events == t.events
+
+
+def test_save_never_overwrites(tmp_path):
+    t = _trace()
+    a = t.save(tmp_path / "t.json")
+    a.write_text("user data")
+    b = t.save(tmp_path / "t.json")
+    assert a != b and a.read_text() == "user data"
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda d: d.pop("version"), "version"),
+    (lambda d: d.update(version=99), "version"),
+    (lambda d: d["events"].append({"type": "Teleport"}), "unknown event type"),
+    (lambda d: d["events"].append({"type": "Preempt"}), "missing field 'id'"),
+    (lambda d: d["events"].append({"type": "Preempt", "id": "nobody"}), "never added"),
+    (lambda d: d["events"].insert(0, {"type": "AddRequest", "id": "r0", "prompt_len": 5,
+                                      "max_new_tokens": 1}), "added twice"),
+    (lambda d: d["config"]["groups"][0].update(kind="ring"), "unknown kind"),
+    (lambda d: d["config"].update(depth=9), "depth"),
+    (lambda d: d["config"].update(policy="hopeful"), "unknown policy"),
+    (lambda d: d["config"].update(block_size=0), "block_size"),
+    (lambda d: d["config"].update(bogus=1), "unknown field"),
+    (lambda d: d["events"][0].update(prompt_len=-3), ">= 0"),
+    (lambda d: d["events"][0].update(prompt_len="many"), "integer"),
+    (lambda d: d["events"][0].update(external_tokens=100), "external_tokens"),
+    (lambda d: d["events"][3].update(accepted={"r0": 7}), "spec_tokens"),
+])
+def test_malformed_traces_are_one_line_errors(mutate, fragment):
+    d = json.loads(_trace().dumps())
+    mutate(d)
+    with pytest.raises(TraceError) as e:
+        Trace.from_json(d)
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_not_json(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("{not json")
+    with pytest.raises(TraceError, match="not valid JSON"):
+        Trace.load(p)
+
+
+def test_chunk_must_align_with_blocks():
+    with pytest.raises(TraceError, match="multiple of the block size"):
+        Config(groups=(Group("chunked_local", 20),), block_size=16).validate()
+
+
+G = {"full": Group("full"), "sliding": Group("sliding", 5),
+     "chunked_local": Group("chunked_local", 8), "mamba": Group("mamba")}
+
+
+@given(st.sampled_from(sorted(G)), st.integers(0, 500))
+def test_window_definitions(kind, t):
+    g = G[kind]
+    lo, hi = window(g, t)
+    assert hi == t and 0 <= lo <= t
+    if kind == "full":
+        assert lo == 0
+    elif kind == "sliding":
+        assert hi - lo + 1 == min(5, t + 1)
+    elif kind == "chunked_local":
+        assert lo % 8 == 0 and t - lo < 8
+    else:
+        assert lo == max(0, t - 1)
+
+
+@given(st.sampled_from(sorted(G)), st.integers(0, 500), st.sampled_from([1, 4, 16]))
+def test_freeable_blocks_are_never_read_by_the_next_token(kind, n, B):
+    g = G[kind]
+    k = freeable(g, n, B)
+    # the next position n and every later one read nothing in the freeable blocks
+    for t in range(n, n + 40):
+        assert window(g, t)[0] >= k * B
+    assert skipped(g, n) <= n
+
+
+@given(st.sampled_from(sorted(G)), st.integers(0, 300), st.integers(1, 40),
+       st.sampled_from([1, 4, 16]))
+def test_read_blocks_cover_every_window(kind, start, n, B):
+    g = G[kind]
+    blocks = set(read_blocks(g, start, start + n, B))
+    for t in range(start, start + n):
+        lo, hi = window(g, t)
+        assert set(range(lo // B, hi // B + 1)) <= blocks
+
+
+@given(st.integers(1, 64), st.integers(1, 200), st.integers(0, 50))
+def test_settled_basis_never_exceeds_optimistic(w, c, f):
+    g = Group("sliding", w)
+    f = min(f, c)
+    assert basis("settled", g, Counts(c, f)) <= basis("optimistic", g, Counts(c, f))
+    assert basis("settled", g, Counts(c, f)) == c - f
+
+
+def test_live_bound_grows_with_tokens_ahead():
+    g = Group("sliding", 16)
+    assert live_bound(g, 16, 4096, 64) < live_bound(g, 16, 4096, 128)
+    assert live_bound(Group("full"), 16, 100, 64) == 7
