@@ -1,0 +1,578 @@
+"""Numerical confirmation: push a target's observations through real paged
+attention and compare every computed position with dense attention over the
+true K/V. A step that read NULL (NaN-poisoned) or overwritten KV shows it.
+
+What runs when (the device timeline this replay models)::
+
+    events    Schedule s0   Schedule s1   Process(s0)      Process(s1)
+    host      s0 tables     frees, s1     s0 output        s1 output
+    device                                [s0 kernel]      [s1 kernel]
+                            ^ unordered writer fills freed blocks here,
+                              before s0's kernel reads them
+
+* A step's kernel runs when its output is processed (``ProcessObs``): at
+  depth D that is after up to D-1 later steps were scheduled and their frees
+  happened. The kernel first writes the K/V of all its new tokens through the
+  tables it was scheduled with (as ``reshape_and_cache`` does for the whole
+  batch), then each computed position attends over its group's window
+  (:func:`model.windows.window`), gathered through the same table. Steps never
+  processed (the trace ends) run at the end, in order.
+* Rejections: when a step's output rejects ``r`` drafts of a request, every
+  later unprocessed step of that request computes at positions shifted down
+  by ``r`` (SEMANTICS.md). The shift is applied when those steps run; the
+  rejected positions of the step itself are written with a draft's K/V (junk
+  the next step must overwrite) and their outputs are not checked.
+* Discarded outputs (preempted, finished, aborted or failed-load requests):
+  the kernel still runs and writes; its outputs are not checked.
+* ``hazard = "unordered"`` (a KV-consumer connector loads on its own
+  stream): a block returned to the pool (its last reference dropped, and not
+  hit again from the prefix cache before it is handed out afresh) is filled
+  at once with a foreign pattern, what a connector's load would leave. A
+  kernel of a step scheduled *before* that free sees the foreign pattern in
+  the block whenever it reads it: if it wrote its own K/V there, the load is
+  taken to land between that write and the read (the worst interleaving of
+  two unordered streams; either order garbles someone). A connector's load
+  for a newly scheduled step lands at schedule time, too.
+  ``"ordered"``: loads land when their step's kernel runs and nothing else
+  writes; a kernel sees only the writes of steps that ran before it and its
+  own.
+* Mamba (assumption, as in :mod:`model.windows`): the recurrent state read by
+  position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``.
+
+Usage::
+
+    rep = replay_attention(Trace.load("traces/attention/x.json"))
+    print(format_report(rep))       # rep.ok, rep.first_bad, rep.max_err, ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from impl.target import Target, TargetCrash
+from model.events import AddRequest, Config, Trace
+from model.observations import (
+    NULL,
+    AllocObs,
+    FinishObs,
+    FreeObs,
+    Item,
+    ProcessObs,
+    ReqStep,
+    StepObs,
+)
+from model.windows import window
+from properties.attention_kernels import (
+    KERNEL_TOL,
+    TAG_DRAFT,
+    TAG_FAILED,
+    TAG_FOREIGN,
+    PagedCache,
+    Shape,
+    VllmKernel,
+    attend,
+    dense_reference,
+    gather_paged,
+    junk_kv,
+    kv_true,
+    load_vllm_kernel,
+    pick_device,
+    pick_dtype,
+    q_true,
+    rid_stream,
+    window_grid,
+)
+
+
+class AttentionError(ValueError):
+    """The observation stream cannot be executed (e.g. out-of-order processing)."""
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One request's part of one executed step."""
+
+    step: int
+    request: str
+    positions: tuple[int, int]  # [a, b) checked: shifts applied, rejected drafts left out
+    max_abs_err: float  # over finite outputs, all groups
+    nan_reads: int  # (position, group) rows whose window read a NaN
+    verdict: str  # ok | nan | garbled | discarded
+    note: str = ""
+    kernel_err: float | None = None  # vLLM's kernel against the torch paged path
+
+
+@dataclass(frozen=True)
+class BadRead:
+    step: int
+    rid: str
+    position: int
+    kind: str  # "nan" | "garbled"
+    group: int = 0
+    err: float = float("nan")
+
+    def __str__(self) -> str:
+        what = "read NaN (NULL block)" if self.kind == "nan" else (
+            f"garbled (error {self.err:.3g})")
+        return f"step {self.step}, {self.rid} position {self.position} (group {self.group}): {what}"
+
+
+@dataclass
+class AttentionReport:
+    label: str
+    rows: list[StepRow]
+    device: str
+    kernel: str
+    dtype: str
+    tol: float
+    first_bad: BadRead | None = None
+    max_err: float = 0.0
+    nan_reads: int = 0
+    steps: int = 0
+    positions: int = 0  # (position, group) rows checked
+    null_writes: int = 0  # K/V writes that hit a NULL table entry (dropped)
+    foreign_writes: int = 0  # blocks the unordered writer filled
+    kernel_max_err: float | None = None
+    kernel_tol: float | None = None
+    kernel_note: str = ""
+    property_violation: str = ""  # the first property violation replay found, if any
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No step read NULL or overwritten KV (max error within tolerance, no NaN)."""
+        return self.first_bad is None
+
+    @property
+    def kernel_ok(self) -> bool | None:
+        """vLLM's kernel agreed with the torch path (None: it did not run)."""
+        if self.kernel_max_err is None:
+            return None
+        return self.kernel_max_err <= (self.kernel_tol or 0.0)
+
+
+# ------------------------------------------------------------------- the replay
+
+
+@dataclass
+class _Req:
+    rs: ReqStep
+    shift: int = 0
+    dead: str = ""  # why the output will be discarded, "" while it counts
+
+
+@dataclass
+class _Step:
+    step: int
+    reqs: list[_Req]
+
+
+@dataclass
+class _Stats:
+    rows: list[StepRow] = field(default_factory=list)
+    first_bad: BadRead | None = None
+    max_err: float = 0.0
+    nan_reads: int = 0
+    positions: int = 0
+    null_writes: int = 0
+    foreign_writes: int = 0
+    kernel_max_err: float | None = None
+    steps: int = 0
+
+
+class AttentionReplay:
+    """Executes an observation stream on paged KV caches (one per group)."""
+
+    def __init__(self, cfg: Config, prompt_lens: dict[str, int], device: torch.device,
+                 dtype: str = "fp32", shape: Shape | None = None,
+                 kernel: VllmKernel | None = None):
+        self.cfg = cfg
+        self.B = cfg.block_size
+        self.prompt_lens = prompt_lens
+        self.device = device
+        self.dtype_name = dtype
+        self.dtype, self.tol = pick_dtype(dtype)
+        self.shape = shape or Shape()
+        self.kernel = kernel
+        self.caches = [PagedCache(cfg.num_blocks, self.B, self.shape, gi, device, self.dtype)
+                       for gi in range(len(cfg.groups))]
+        self.unordered = cfg.hazard == "unordered"
+        self.pending: list[_Step] = []
+        self.refs: Counter[tuple[int, int]] = Counter()
+        self.scheduled = 0  # steps scheduled so far
+        # (group, block) -> (steps scheduled when the unordered writer took it, salt)
+        self.taken: dict[tuple[int, int], tuple[int, int]] = {}
+        self.touched: set[tuple[int, int]] = set()  # blocks the running kernel wrote
+        self.st = _Stats()
+
+    # ------------------------------------------------------------ driving
+
+    def run(self, events_items: list[list[Item]]) -> _Stats:
+        """Execute the items of every event (one list per event, in order)."""
+        self.failed_at = _failed_loads(events_items)
+        self.foreign_ok = _foreign_ok(events_items)
+        for ei, items in enumerate(events_items):
+            self._event(ei, items)
+        while self.pending:
+            self._execute(self.pending.pop(0), None)
+        return self.st
+
+    def _event(self, ei: int, items: list[Item]) -> None:
+        scheduled: list[_Step] = []
+        for ii, it in enumerate(items):
+            if isinstance(it, StepObs):
+                s = _Step(it.step, [_Req(rs) for rs in it.reqs])
+                self.pending.append(s)
+                scheduled.append(s)
+                self.scheduled = max(self.scheduled, it.step + 1)
+            elif isinstance(it, AllocObs):
+                self.refs[(it.group, it.block)] += 1
+            elif isinstance(it, FreeObs):
+                self._free(it, (ei, ii))
+            elif isinstance(it, ProcessObs):
+                if not self.pending:
+                    raise AttentionError(f"output of step {it.step} processed, none in flight")
+                s = self.pending.pop(0)
+                if s.step != it.step:
+                    raise AttentionError(
+                        f"step {it.step} processed while step {s.step} is the oldest in flight")
+                self._execute(s, it)
+            elif isinstance(it, FinishObs):
+                self._kill(it.rid, it.reason)
+        if self.unordered:
+            # a connector's load is issued with the schedule, on its own stream:
+            # it lands before any pending kernel runs (after this event's frees)
+            for s in scheduled:
+                for r in s.reqs:
+                    self._load(s.step, r.rs)
+
+    def _free(self, f: FreeObs, where: tuple[int, int]) -> None:
+        key = (f.group, f.block)
+        self.refs[key] -= 1
+        if f.reason != "window":
+            self._kill(f.rid, f.reason)
+        if (self.unordered and f.block != NULL and self.refs[key] <= 0
+                and self.foreign_ok.get(where, True)):
+            self.taken[key] = (self.scheduled, self.st.foreign_writes)
+            self._fill_foreign(key)
+            self.st.foreign_writes += 1
+
+    def _fill_foreign(self, key: tuple[int, int]) -> None:
+        group, block = key
+        k, v = junk_kv(TAG_FOREIGN, block, group, np.arange(self.B), self.shape,
+                       salt=self.taken[key][1])
+        self.caches[group].fill_block(block, k, v)
+
+    def _kill(self, rid: str, why: str) -> None:
+        for s in self.pending:
+            for r in s.reqs:
+                if r.rs.rid == rid and not r.dead:
+                    r.dead = why
+
+    # ------------------------------------------------------------ the device
+
+    def _write(self, gi: int, table: tuple[int, ...], pos: np.ndarray, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        if len(pos) == 0:
+            return
+        logical = pos // self.B
+        ext = np.array(list(table) + [NULL], dtype=np.int64)
+        phys = ext[np.minimum(logical, len(table))]
+        ok = phys != NULL
+        self.st.null_writes += int((~ok).sum())
+        if not ok.any():
+            return
+        okt = torch.from_numpy(ok)
+        self.touched.update((gi, int(b)) for b in np.unique(phys[ok]))
+        self.caches[gi].write(torch.from_numpy(phys[ok]).to(self.device),
+                              torch.from_numpy(pos[ok] % self.B).to(self.device),
+                              k[okt], v[okt])
+
+    def _load(self, step: int, rs: ReqStep) -> None:
+        """A connector's load of positions ``[start - loaded, start)``; from the
+        first bad block on (a failed load) it leaves junk."""
+        if rs.loaded <= 0:
+            return
+        plen = self.prompt_lens.get(rs.rid, 0)
+        pos = np.arange(rs.start - rs.loaded, rs.start)
+        bad_from = self.failed_at.get((step, rs.rid))
+        for gi in range(len(self.cfg.groups)):
+            k, v = kv_true(rs.rid, plen, gi, pos, self.shape)
+            if bad_from is not None:
+                bad = torch.from_numpy(pos // self.B >= bad_from)[:, None, None]
+                jk, jv = junk_kv(TAG_FAILED, rid_stream(rs.rid), gi, pos, self.shape, salt=step)
+                k, v = torch.where(bad, jk, k), torch.where(bad, jv, v)
+            self._write(gi, _table(rs, gi), pos, k, v)
+
+    def _execute(self, s: _Step, po: ProcessObs | None) -> None:
+        accepted = dict(po.accepted) if po else {}
+        discarded = set(po.discarded) if po else set()
+        failed = dict(po.failed) if po else {}
+        self.st.steps += 1
+        self.touched.clear()
+        plan = []
+        # 1. loads (ordered: on the compute stream, just before the kernel)
+        if not self.unordered:
+            for r in s.reqs:
+                self._load(s.step, r.rs)
+        # 2. every request's new K/V, through the tables the step was scheduled with
+        for r in s.reqs:
+            rs, rid = r.rs, r.rs.rid
+            plen = self.prompt_lens.get(rid, 0)
+            dead = r.dead or ("failed load" if rid in failed else
+                              "discarded" if rid in discarded else "")
+            rejected = 0 if dead else max(0, rs.spec - accepted.get(rid, rs.spec))
+            a, b = rs.start - r.shift, rs.end - r.shift
+            good = np.arange(a, b - rejected)
+            drafts = np.arange(b - rejected, b)
+            for gi in range(len(self.cfg.groups)):
+                k, v = kv_true(rid, plen, gi, good, self.shape)
+                self._write(gi, _table(rs, gi), good, k, v)
+                if len(drafts):
+                    jk, jv = junk_kv(TAG_DRAFT, rid_stream(rid), gi, drafts, self.shape,
+                                     salt=s.step)
+                    self._write(gi, _table(rs, gi), drafts, jk, jv)
+            plan.append((r, dead, rejected, good))
+        # the unordered writer's load lands between this kernel's writes and its
+        # reads in blocks returned to the pool after the step was scheduled
+        for key in self.touched:
+            if key in self.taken and s.step < self.taken[key][0]:
+                self._fill_foreign(key)
+        self.touched.clear()
+        # 3. attention for every computed position whose output counts
+        for r, dead, rejected, good in plan:
+            rid = r.rs.rid
+            note = []
+            if r.shift:
+                note.append(f"shifted -{r.shift}")
+            if rejected:
+                note.append(f"{rejected} draft(s) rejected")
+            if dead or len(good) == 0:
+                self.st.rows.append(StepRow(s.step, rid, (int(good[0]) if len(good) else 0,
+                                                          int(good[-1]) + 1 if len(good) else 0),
+                                            0.0, 0, "discarded", dead or "nothing computed"))
+            else:
+                self.st.rows.append(self._attend(s.step, r.rs, good, "; ".join(note)))
+        # 4. rejections move this request's later in-flight steps down
+        for r, _dead, rejected, _ in plan:
+            rid = r.rs.rid
+            for later in self.pending:
+                for lr in later.reqs:
+                    if lr.rs.rid != rid:
+                        continue
+                    if rejected:
+                        lr.shift += rejected
+                    if rid in failed or rid in discarded:
+                        lr.dead = lr.dead or ("failed load" if rid in failed else "discarded")
+
+    def _attend(self, step: int, rs: ReqStep, ts: np.ndarray, note: str) -> StepRow:
+        rid = rs.rid
+        plen = self.prompt_lens.get(rid, 0)
+        worst = 0.0
+        nan_rows = 0
+        bad: BadRead | None = None
+        kerr: float | None = None
+        for gi, g in enumerate(self.cfg.groups):
+            table = _table(rs, gi)
+            lo = np.array([window(g, int(t))[0] for t in ts], dtype=np.int64)
+            pos, mask = window_grid(lo, ts)
+            q = q_true(rid, plen, gi, ts, self.shape)
+            cache = self.caches[gi]
+            got = gather_paged(cache, table, pos, mask)
+            out = attend(q, got, self.dtype)
+            ref = dense_reference(rid, plen, gi, q, pos, mask, self.shape, self.device,
+                                  self.dtype)
+            isnan = torch.isnan(out).flatten(1).any(1) | got.nan_rows
+            err = (out - ref).abs().flatten(1).amax(1)
+            err = torch.where(isnan, torch.zeros_like(err), err)
+            nan_rows += int(isnan.sum())
+            worst = max(worst, float(err.max()))
+            badrows = (isnan | (err > self.tol)).nonzero().flatten().tolist()
+            if badrows:
+                i = badrows[0]
+                cand = BadRead(step, rid, int(ts[i]), "nan" if bool(isnan[i]) else "garbled",
+                               gi, float("nan") if bool(isnan[i]) else float(err[i]))
+                if bad is None or cand.position < bad.position:
+                    bad = cand
+            if self.kernel is not None:
+                e = self._kernel_err(cache, g, table, ts, q, pos, mask)
+                kerr = e if kerr is None else max(kerr, e)
+        self.st.positions += len(ts) * len(self.cfg.groups)
+        self.st.nan_reads += nan_rows
+        self.st.max_err = max(self.st.max_err, worst)
+        if kerr is not None:
+            self.st.kernel_max_err = max(self.st.kernel_max_err or 0.0, kerr)
+        if bad is not None and self.st.first_bad is None:
+            self.st.first_bad = bad
+        verdict = "ok" if bad is None else ("nan" if nan_rows else "garbled")
+        return StepRow(step, rid, (int(ts[0]), int(ts[-1]) + 1), worst, nan_rows, verdict,
+                       note, kerr)
+
+    def _kernel_err(self, cache: PagedCache, g, table, ts, q, pos, mask) -> float:
+        """vLLM's kernel and the torch paged path on the same cache and table,
+        the NULL block zeroed as in vLLM (a tile may touch slots outside a
+        window: 0 * NaN would be NaN there while the window reads nothing)."""
+        cache.zero_null()
+        try:
+            mine = attend(q, gather_paged(cache, table, pos, mask), self.dtype)
+            theirs = self.kernel.run(cache, g.kind, g.param, table, ts, q)
+        finally:
+            cache.poison_null()
+        d = (mine - theirs).abs()
+        if torch.isnan(d).any():
+            return float("inf")
+        return float(d.max())
+
+
+def _table(rs: ReqStep, gi: int) -> tuple[int, ...]:
+    return rs.tables[gi] if gi < len(rs.tables) else ()
+
+
+def _failed_loads(events_items: list[list[Item]]) -> dict[tuple[int, str], int]:
+    out = {}
+    for items in events_items:
+        for it in items:
+            if isinstance(it, ProcessObs):
+                for rid, k in it.failed:
+                    out[(it.step, rid)] = k
+    return out
+
+
+def _foreign_ok(events_items: list[list[Item]]) -> dict[tuple[int, int], bool]:
+    """For each free: may the unordered writer take the block? Not when the
+    block's next hand-out is a prefix-cache hit (then nobody evicted it)."""
+    nxt: dict[tuple[int, int], bool] = {}
+    out: dict[tuple[int, int], bool] = {}
+    for ei in range(len(events_items) - 1, -1, -1):
+        items = events_items[ei]
+        for ii in range(len(items) - 1, -1, -1):
+            it = items[ii]
+            if isinstance(it, AllocObs):
+                nxt[(it.group, it.block)] = it.cached
+            elif isinstance(it, FreeObs):
+                out[(ei, ii)] = not nxt.get((it.group, it.block), False)
+    return out
+
+
+# ------------------------------------------------------------------- front door
+
+
+def prompt_lengths(trace: Trace) -> dict[str, int]:
+    return {e.id: e.prompt_len for e in trace.events if isinstance(e, AddRequest)}
+
+
+def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: list[list[Item]],
+                     device: str | torch.device | None = None, dtype: str = "fp32",
+                     heads: int = 2, head_dim: int = 8, vllm: bool | None = None,
+                     label: str = "") -> AttentionReport:
+    """Execute an observation stream (one item list per event). ``vllm``:
+    None runs vLLM's kernel where it can (CUDA with vLLM), True requires it,
+    False never runs it."""
+    t0 = time.perf_counter()
+    dev = pick_device(device)
+    _, tol = pick_dtype(dtype)
+    shape = Shape(heads, head_dim)
+    kernel, why = (None, "not asked for") if vllm is False else load_vllm_kernel(dev, shape)
+    if vllm and kernel is None:
+        raise RuntimeError(f"vLLM's kernel was required: {why}")
+    rp = AttentionReplay(cfg, prompt_lens, dev, dtype, shape, kernel)
+    st = rp.run(events_items)
+    name = f"torch paged ({dev.type})"
+    if kernel is not None:
+        name += f" + {kernel.name}"
+    return AttentionReport(
+        label=label or cfg.label(), rows=st.rows, device=_device_name(dev), kernel=name,
+        dtype=dtype, tol=tol, first_bad=st.first_bad, max_err=st.max_err,
+        nan_reads=st.nan_reads, steps=st.steps, positions=st.positions,
+        null_writes=st.null_writes, foreign_writes=st.foreign_writes,
+        kernel_max_err=st.kernel_max_err,
+        kernel_tol=KERNEL_TOL[dtype] if kernel is not None else None,
+        kernel_note=why, seconds=time.perf_counter() - t0)
+
+
+def replay_attention(trace: Trace, target_spec: str | Target = "reference",
+                     device: str | torch.device | None = None, dtype: str = "fp32", *,
+                     heads: int = 2, head_dim: int = 8,
+                     vllm: bool | None = None) -> AttentionReport:
+    """Replay ``trace`` on the target and push what it observed through paged
+    attention on ``device`` (default: CUDA when present, else CPU)."""
+    from properties.replay import replay
+
+    t0 = time.perf_counter()
+    rr = replay(trace, target_spec, stop_at_first=False)
+    if rr.crash:
+        raise TargetCrash(rr.crash)
+    events_items = [row.obs.items for row in rr.rows]
+    rep = run_observations(trace.config, prompt_lengths(trace), events_items, device, dtype,
+                           heads, head_dim, vllm, label=trace.config.label())
+    if rr.first is not None:
+        rep.property_violation = str(rr.first)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(dev)})"
+    return "cpu"
+
+
+# ------------------------------------------------------------------- reporting
+
+
+def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
+    """A short table: the verdict first, then the steps around the first bad one."""
+    lines = []
+    verdict = "CLEAN" if rep.ok else ("NaN READ" if rep.first_bad.kind == "nan" else "GARBLED")
+    lines.append(f"attention: {verdict}  ({rep.label})")
+    lines.append(f"  device {rep.device}, {rep.kernel}, {rep.dtype} (tol {rep.tol:g}); "
+                 f"{rep.steps} steps, {rep.positions} position-reads, {rep.seconds:.2f}s")
+    lines.append(f"  max error {rep.max_err:.3g}, NaN reads {rep.nan_reads}"
+                 + (f", writes to NULL dropped {rep.null_writes}" if rep.null_writes else "")
+                 + (f", blocks overwritten by the unordered writer {rep.foreign_writes}"
+                    if rep.foreign_writes else ""))
+    if rep.kernel_max_err is not None:
+        lines.append(f"  vLLM kernel vs torch: max diff {rep.kernel_max_err:.3g} "
+                     f"(tol {rep.kernel_tol:g}) {'agrees' if rep.kernel_ok else 'DISAGREES'}")
+    elif rep.kernel_note and rep.device != "cpu":
+        lines.append(f"  vLLM kernel: {rep.kernel_note}")
+    if rep.first_bad is not None:
+        lines.append(f"  first bad: {rep.first_bad}")
+    if rep.property_violation:
+        lines.append(f"  checker:   {rep.property_violation}")
+    rows = rep.rows
+    if len(rows) > max_rows:
+        bad_i = next((i for i, r in enumerate(rows) if r.verdict in ("nan", "garbled")), None)
+        centre = bad_i if bad_i is not None else 0
+        lo = max(0, min(centre - max_rows // 3, len(rows) - max_rows))
+        shown = rows[lo:lo + max_rows]
+        skipped = (lo, len(rows) - lo - len(shown))
+    else:
+        shown, skipped = rows, (0, 0)
+    w = max([len(r.request) for r in shown] + [7])
+    lines.append(f"  {'step':>4}  {'request':<{w}}  {'positions':>11}  {'max err':>9}  "
+                 f"{'NaN':>4}  verdict")
+    if skipped[0]:
+        lines.append(f"  {'...':>4}  ({skipped[0]} earlier rows)")
+    for r in shown:
+        mark = ">>" if r.verdict in ("nan", "garbled") else "  "
+        pos = f"[{r.positions[0]},{r.positions[1]})"
+        err = "-" if r.verdict == "discarded" else f"{r.max_abs_err:.2e}"
+        extra = f"  {r.note}" if r.note else ""
+        lines.append(f"{mark}{r.step:>4}  {r.request:<{w}}  {pos:>11}  {err:>9}  "
+                     f"{r.nan_reads:>4}  {r.verdict}{extra}")
+    if skipped[1]:
+        lines.append(f"  {'...':>4}  ({skipped[1]} later rows)")
+    return "\n".join(lines)
+
+
+def summary_by_verdict(rep: AttentionReport) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for r in rep.rows:
+        out[r.verdict] += 1
+    return dict(out)
