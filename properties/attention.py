@@ -25,14 +25,19 @@ What runs when (the device timeline this replay models)::
 * Discarded outputs (preempted, finished, aborted or failed-load requests):
   the kernel still runs and writes; its outputs are not checked.
 * ``hazard = "unordered"`` (a KV-consumer connector loads on its own
-  stream): a block returned to the pool (its last reference dropped, and not
-  hit again from the prefix cache before it is handed out afresh) is filled
-  at once with a foreign pattern, what a connector's load would leave. A
-  kernel of a step scheduled *before* that free sees the foreign pattern in
-  the block whenever it reads it: if it wrote its own K/V there, the load is
-  taken to land between that write and the read (the worst interleaving of
-  two unordered streams; either order garbles someone). A connector's load
-  for a newly scheduled step lands at schedule time, too.
+  stream): a block returned to the pool and still free when the event ends
+  (its last reference dropped, not handed out again by the same scheduler
+  call, and not hit again from the prefix cache later) is filled at once with
+  a foreign pattern, what a connector's load would leave. A kernel of a step
+  scheduled *before* that free sees the foreign pattern in the block whenever
+  it reads it: if it wrote its own K/V there, the load is taken to land
+  between that write and the read (the worst interleaving of two unordered
+  streams; either order garbles someone). This holds even if the block is
+  handed out in a later event: the writer may have used it in between. A
+  block handed out again within the same scheduler call never reached the
+  writer; what its new owner does to it is replayed as it is: a connector's
+  load for a newly scheduled step lands at schedule time, before pending
+  kernels run.
   ``"ordered"``: loads land when their step's kernel runs and nothing else
   writes; a kernel sees only the writes of steps that ran before it and its
   own.
@@ -139,7 +144,8 @@ class AttentionReport:
     foreign_writes: int = 0  # blocks the unordered writer filled
     kernel_max_err: float | None = None
     kernel_tol: float | None = None
-    kernel_note: str = ""
+    kernel_note: str = ""  # why vLLM's kernel did not run, if it did not
+    kernel_failed: str = ""  # vLLM's kernel raised (the torch check went on)
     property_violation: str = ""  # the first property violation replay found, if any
     seconds: float = 0.0
 
@@ -199,6 +205,7 @@ class AttentionReplay:
         self.dtype, self.tol = pick_dtype(dtype)
         self.shape = shape or Shape()
         self.kernel = kernel
+        self.kernel_failed = ""  # vLLM's kernel raised: why (it is not run again)
         self.caches = [PagedCache(cfg.num_blocks, self.B, self.shape, gi, device, self.dtype)
                        for gi in range(len(cfg.groups))]
         self.unordered = cfg.hazard == "unordered"
@@ -224,6 +231,8 @@ class AttentionReplay:
 
     def _event(self, ei: int, items: list[Item]) -> None:
         scheduled: list[_Step] = []
+        # returned during this event -> steps scheduled when it was returned
+        self.freed_now: dict[tuple[int, int], int] = {}
         for ii, it in enumerate(items):
             if isinstance(it, StepObs):
                 s = _Step(it.step, [_Req(rs) for rs in it.reqs])
@@ -232,6 +241,7 @@ class AttentionReplay:
                 self.scheduled = max(self.scheduled, it.step + 1)
             elif isinstance(it, AllocObs):
                 self.refs[(it.group, it.block)] += 1
+                self.freed_now.pop((it.group, it.block), None)
             elif isinstance(it, FreeObs):
                 self._free(it, (ei, ii))
             elif isinstance(it, ProcessObs):
@@ -245,8 +255,14 @@ class AttentionReplay:
             elif isinstance(it, FinishObs):
                 self._kill(it.rid, it.reason)
         if self.unordered:
+            # blocks still in the pool: the unordered writer takes them now
+            for key, epoch in self.freed_now.items():
+                if self.refs[key] <= 0:
+                    self.taken[key] = (epoch, self.st.foreign_writes)
+                    self._fill_foreign(key)
+                    self.st.foreign_writes += 1
             # a connector's load is issued with the schedule, on its own stream:
-            # it lands before any pending kernel runs (after this event's frees)
+            # it lands before any pending kernel runs
             for s in scheduled:
                 for r in s.reqs:
                     self._load(s.step, r.rs)
@@ -258,9 +274,7 @@ class AttentionReplay:
             self._kill(f.rid, f.reason)
         if (self.unordered and f.block != NULL and self.refs[key] <= 0
                 and self.foreign_ok.get(where, True)):
-            self.taken[key] = (self.scheduled, self.st.foreign_writes)
-            self._fill_foreign(key)
-            self.st.foreign_writes += 1
+            self.freed_now[key] = self.scheduled
 
     def _fill_foreign(self, key: tuple[int, int]) -> None:
         group, block = key
@@ -400,8 +414,13 @@ class AttentionReplay:
                 if bad is None or cand.position < bad.position:
                     bad = cand
             if self.kernel is not None:
-                e = self._kernel_err(cache, g, table, ts, q, pos, mask)
-                kerr = e if kerr is None else max(kerr, e)
+                try:
+                    e = self._kernel_err(cache, g, table, ts, q, pos, mask)
+                except Exception as ex:  # noqa: BLE001 - reported, the torch check goes on
+                    self.kernel_failed = f"{type(ex).__name__}: {ex}"[:200]
+                    self.kernel = None
+                else:
+                    kerr = e if kerr is None else max(kerr, e)
         self.st.positions += len(ts) * len(self.cfg.groups)
         self.st.nan_reads += nan_rows
         self.st.max_err = max(self.st.max_err, worst)
@@ -468,17 +487,22 @@ def prompt_lengths(trace: Trace) -> dict[str, int]:
 
 def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: list[list[Item]],
                      device: str | torch.device | None = None, dtype: str = "fp32",
-                     heads: int = 2, head_dim: int = 8, vllm: bool | None = None,
-                     label: str = "") -> AttentionReport:
+                     heads: int = 2, head_dim: int = 8,
+                     vllm: bool | VllmKernel | None = None, label: str = "") -> AttentionReport:
     """Execute an observation stream (one item list per event). ``vllm``:
     None runs vLLM's kernel where it can (CUDA with vLLM), True requires it,
-    False never runs it."""
+    False never runs it; a :class:`VllmKernel` is used as given."""
     t0 = time.perf_counter()
     dev = pick_device(device)
     _, tol = pick_dtype(dtype)
     shape = Shape(heads, head_dim)
-    kernel, why = (None, "not asked for") if vllm is False else load_vllm_kernel(dev, shape)
-    if vllm and kernel is None:
+    if isinstance(vllm, VllmKernel):
+        kernel, why = vllm, ""
+    elif vllm is False:
+        kernel, why = None, "not asked for"
+    else:
+        kernel, why = load_vllm_kernel(dev, shape)
+    if vllm is True and kernel is None:
         raise RuntimeError(f"vLLM's kernel was required: {why}")
     rp = AttentionReplay(cfg, prompt_lens, dev, dtype, shape, kernel)
     st = rp.run(events_items)
@@ -492,13 +516,13 @@ def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: lis
         null_writes=st.null_writes, foreign_writes=st.foreign_writes,
         kernel_max_err=st.kernel_max_err,
         kernel_tol=KERNEL_TOL[dtype] if kernel is not None else None,
-        kernel_note=why, seconds=time.perf_counter() - t0)
+        kernel_note=why, kernel_failed=rp.kernel_failed, seconds=time.perf_counter() - t0)
 
 
 def replay_attention(trace: Trace, target_spec: str | Target = "reference",
                      device: str | torch.device | None = None, dtype: str = "fp32", *,
                      heads: int = 2, head_dim: int = 8,
-                     vllm: bool | None = None) -> AttentionReport:
+                     vllm: bool | VllmKernel | None = None) -> AttentionReport:
     """Replay ``trace`` on the target and push what it observed through paged
     attention on ``device`` (default: CUDA when present, else CPU)."""
     from properties.replay import replay
@@ -536,6 +560,8 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
                  + (f", writes to NULL dropped {rep.null_writes}" if rep.null_writes else "")
                  + (f", blocks overwritten by the unordered writer {rep.foreign_writes}"
                     if rep.foreign_writes else ""))
+    if rep.kernel_failed:
+        lines.append(f"  vLLM kernel FAILED: {rep.kernel_failed}")
     if rep.kernel_max_err is not None:
         lines.append(f"  vLLM kernel vs torch: max diff {rep.kernel_max_err:.3g} "
                      f"(tol {rep.kernel_tol:g}) {'agrees' if rep.kernel_ok else 'DISAGREES'}")

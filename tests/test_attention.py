@@ -1,0 +1,386 @@
+"""The attention replay: numerical confirmation that no step reads NULL or
+overwritten KV (properties/attention.py).
+
+Two layers of tests:
+
+* the execution model on hand-built observation streams (no target needed):
+  depth ordering, the unordered writer, rejection shifts, prefix-cache hits,
+  failed loads, bf16, device choice, vLLM's kernel call (emulated on CPU);
+* the fixed traces of traces/attention/ replayed on the reference target:
+  counterexamples garble or read NaN at the step the checker names, the same
+  events under the settled policy stay exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.events import AddRequest, Config, Group, Process, Schedule, Trace, sliding
+from model.observations import AllocObs, FreeObs, ProcessObs, ReqStep, StepObs
+from properties.attention import (
+    AttentionReport,
+    format_report,
+    run_observations,
+)
+from properties.attention_kernels import (
+    Shape,
+    VllmKernel,
+    kv_true,
+    load_vllm_kernel,
+    pick_device,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "traces" / "attention"
+FP32_TOL = 1e-5
+
+
+# ----------------------------------------------------------- hand-built streams
+
+
+def _step(step, rid, a, b, *tables, spec=0, loaded=0):
+    return StepObs(step, (ReqStep(rid, a, b, spec, loaded, tuple(tuple(t) for t in tables)),))
+
+
+def _allocs(rid, blocks, first_logical=0, group=0, cached=False):
+    return [AllocObs(b, group, rid, first_logical + i, cached) for i, b in enumerate(blocks)]
+
+
+def _swa_stream(policy: str):
+    """sliding W=16, B=16, budget 64, depth 2: r0 (prompt 100) prefill in two
+    steps, the second scheduled before the first is processed. Optimistic
+    frees logical 0-2 (blocks 1-3) at the second schedule: step 0 still
+    reads them."""
+    first = [*_allocs("r0", [1, 2, 3, 4]), _step(0, "r0", 0, 64, [1, 2, 3, 4])]
+    if policy == "optimistic":
+        second = [FreeObs(b, 0, "r0", b - 1, "window") for b in (1, 2, 3)]
+        table = [0, 0, 0, 4, 5, 6, 7]
+    else:
+        second, table = [], [1, 2, 3, 4, 5, 6, 7]
+    second += [*_allocs("r0", [5, 6, 7], 4), _step(1, "r0", 64, 100, table)]
+    return [[], first, second, [ProcessObs(0)], [ProcessObs(1)]]
+
+
+def _spec_stream(policy: str):
+    """sliding W=16, spec 2, depth 2: step 1 computes [29, 32) (2 drafts);
+    step 2 is scheduled on the optimistic count 32, which frees logical 0.
+    Step 1 rejects both drafts: step 2 moves down to [30, 33) and position 30
+    reads [15, 30], i.e. logical 0: NULL."""
+    third = [FreeObs(1, 0, "r0", 0, "window")] if policy == "optimistic" else []
+    third += [*_allocs("r0", [3], 2),
+              _step(2, "r0", 32, 35, [0 if policy == "optimistic" else 1, 2, 3], spec=2)]
+    return [[], [*_allocs("r0", [1, 2]), _step(0, "r0", 0, 29, [1, 2])], [ProcessObs(0)],
+            [_step(1, "r0", 29, 32, [1, 2], spec=2)], third,
+            [ProcessObs(1, (("r0", 0),))], [ProcessObs(2, (("r0", 2),))]]
+
+
+def _cfg(**kw) -> Config:
+    base = dict(block_size=16, num_blocks=64, max_num_batched_tokens=64, depth=2)
+    base.update(kw)
+    return sliding(16, **base)
+
+
+@pytest.mark.parametrize("hazard", ["unordered", "ordered"])
+def test_hand_optimistic_free_garbles_only_under_unordered_writer(hazard):
+    rep = run_observations(_cfg(policy="optimistic", hazard=hazard), {"r0": 100},
+                           _swa_stream("optimistic"), device="cpu")
+    if hazard == "unordered":
+        assert not rep.ok
+        assert rep.first_bad.step == 0 and rep.first_bad.kind == "garbled"
+        assert rep.max_err > 1.0  # a foreign block, not rounding
+        assert rep.foreign_writes == 3
+        assert [r.verdict for r in rep.rows] == ["garbled", "ok"]
+    else:
+        # stream order: the later step's writes land after step 0 ran
+        assert rep.ok and rep.max_err <= FP32_TOL
+
+
+def test_hand_settled_is_exact_under_unordered_writer():
+    rep = run_observations(_cfg(policy="settled", hazard="unordered"), {"r0": 100},
+                           _swa_stream("settled"), device="cpu")
+    assert rep.ok and rep.max_err <= FP32_TOL and rep.nan_reads == 0
+    assert rep.positions == 100
+
+
+def test_hand_rejection_shift_reads_null():
+    rep = run_observations(_cfg(policy="optimistic", spec_tokens=2), {"r0": 29},
+                           _spec_stream("optimistic"), device="cpu")
+    fb = rep.first_bad
+    assert (fb.step, fb.rid, fb.position, fb.kind) == (2, "r0", 30, "nan")
+    row = rep.rows[-1]
+    assert row.positions == (30, 33) and "shifted -2" in row.note
+    ok = run_observations(_cfg(policy="settled", spec_tokens=2), {"r0": 29},
+                          _spec_stream("settled"), device="cpu")
+    assert ok.ok and ok.max_err <= FP32_TOL and ok.nan_reads == 0
+    # the rejected drafts were rewritten by step 2 before anyone read them
+    assert ok.rows[1].positions == (29, 30)
+
+
+def test_hand_stale_draft_is_garbled_when_not_rewritten():
+    """A manager that forgot to roll back after a rejection schedules [32, 35)
+    although 30 and 31 were rejected: position 32 reads the rejected drafts'
+    K/V (junk of the right scale, not NaN)."""
+    evs = [[], [*_allocs("r0", [1, 2]), _step(0, "r0", 0, 29, [1, 2])], [ProcessObs(0)],
+           [_step(1, "r0", 29, 32, [1, 2], spec=2)], [ProcessObs(1, (("r0", 0),))],
+           [*_allocs("r0", [3], 2), _step(2, "r0", 32, 33, [1, 2, 3])], [ProcessObs(2)]]
+    rep = run_observations(_cfg(spec_tokens=2), {"r0": 29}, evs, device="cpu")
+    fb = rep.first_bad
+    assert (fb.step, fb.position, fb.kind) == (2, 32, "garbled")
+    assert rep.nan_reads == 0
+
+
+def test_hand_discarded_outputs_are_not_checked_but_still_write():
+    # r0 preempted while step 1 is in flight: step 1's output is discarded
+    evs = _swa_stream("settled")
+    evs.insert(3, [FreeObs(b, 0, "r0", b - 1, "preempt") for b in range(1, 8)])
+    rep = run_observations(_cfg(hazard="ordered"), {"r0": 100}, evs, device="cpu")
+    assert [r.verdict for r in rep.rows] == ["discarded", "discarded"]
+    assert rep.ok
+    # under the unordered writer the preempt is a hazard, but nobody reads
+    rep = run_observations(_cfg(hazard="unordered"), {"r0": 100}, evs, device="cpu")
+    assert rep.ok and rep.foreign_writes == 7
+
+
+def _load_stream():
+    """r0 (prompt 30) decodes position 30 in step 1 (window [15, 30]: logical 0
+    and 1). Step 2 is scheduled on the optimistic count 31, frees r0's logical
+    0 (block 1) and hands block 1 to r1 at once, as r1's logical 1; r1's
+    connector loads its prompt positions [0, 32) into blocks 8 and 1."""
+    return [[], [*_allocs("r0", [1, 2]), _step(0, "r0", 0, 30, [1, 2])], [ProcessObs(0)],
+            [_step(1, "r0", 30, 31, [1, 2])],
+            [FreeObs(1, 0, "r0", 0, "window"), *_allocs("r1", [8, 1]), *_allocs("r1", [9], 2),
+             StepObs(2, (ReqStep("r0", 31, 32, 0, 0, ((0, 2),)),
+                         ReqStep("r1", 32, 40, 0, 32, ((8, 1, 9),))))],
+            [ProcessObs(1)], [ProcessObs(2)]]
+
+
+@pytest.mark.parametrize("hazard", ["unordered", "ordered"])
+def test_hand_connector_load_into_a_block_a_pending_step_reads(hazard):
+    rep = run_observations(_cfg(policy="optimistic", hazard=hazard), {"r0": 30, "r1": 40},
+                           _load_stream(), device="cpu")
+    by = {(r.step, r.request): r.verdict for r in rep.rows}
+    if hazard == "unordered":
+        # the load lands before step 1 runs: position 30 reads r1's position 31 at slot 15
+        assert (rep.first_bad.step, rep.first_bad.position) == (1, 30)
+        assert rep.first_bad.kind == "garbled"
+    else:
+        assert rep.ok
+    assert by[(2, "r1")] == "ok" and by[(2, "r0")] == "ok"
+    assert rep.foreign_writes == 0  # block 1 went to r1 in the same scheduler call
+
+
+def test_hand_prefix_hit_reads_other_requests_prompt_kv():
+    """Prompt K/V depends on the position only: r1 reading r0's cached
+    block 1 (positions 0-15) is exact, also after r0 let it go."""
+    cfg = _cfg(hazard="unordered", prefix_caching=True)
+    evs = [[], [*_allocs("r0", [1, 2]), _step(0, "r0", 0, 20, [1, 2])], [ProcessObs(0)],
+           [FreeObs(1, 0, "r0", 0, "finish"), FreeObs(2, 0, "r0", 1, "finish")],
+           [*_allocs("r1", [1], cached=True), *_allocs("r1", [3], 1),
+            _step(1, "r1", 16, 24, [1, 3])], [ProcessObs(1)]]
+    rep = run_observations(cfg, {"r0": 20, "r1": 24}, evs, device="cpu")
+    assert rep.ok and rep.max_err <= FP32_TOL
+    assert rep.foreign_writes == 1  # block 2 only: block 1 was hit again from the cache
+
+
+def test_hand_failed_load_leaves_junk_and_discards():
+    cfg = _cfg(hazard="ordered")
+    evs = [[], [*_allocs("r0", [1, 2, 3]), _step(0, "r0", 40, 41, [1, 2, 3], loaded=40)],
+           [ProcessObs(0, failed=(("r0", 1),)),
+            FreeObs(2, 0, "r0", 1, "failed_load"), FreeObs(3, 0, "r0", 2, "failed_load")],
+           [*_allocs("r0", [4, 5], 1), _step(1, "r0", 16, 48, [1, 4, 5])], [ProcessObs(1)]]
+    rep = run_observations(cfg, {"r0": 48}, evs, device="cpu")
+    assert [r.verdict for r in rep.rows] == ["discarded", "ok"]
+    assert rep.ok
+    # had the recompute not been scheduled, a reader of the failed range is garbled
+    evs[3] = [_step(1, "r0", 41, 42, [1, 2, 3])]
+    rep = run_observations(cfg, {"r0": 48}, evs, device="cpu")
+    assert rep.first_bad.kind == "garbled" and rep.first_bad.step == 1
+
+
+def test_hand_unprocessed_steps_run_at_the_end():
+    evs = _swa_stream("optimistic")[:3]  # the trace stops before any Process
+    rep = run_observations(_cfg(policy="optimistic", hazard="unordered"), {"r0": 100}, evs,
+                           device="cpu")
+    assert rep.steps == 2 and rep.first_bad.step == 0
+
+
+def test_hand_out_of_order_processing_is_an_error():
+    evs = _swa_stream("settled")
+    evs[3], evs[4] = [ProcessObs(1)], [ProcessObs(0)]
+    with pytest.raises(ValueError, match="oldest in flight"):
+        run_observations(_cfg(), {"r0": 100}, evs, device="cpu")
+
+
+def test_hand_bf16_within_its_tolerance_and_still_catches_garbage():
+    clean = run_observations(_cfg(policy="settled", hazard="unordered"), {"r0": 100},
+                             _swa_stream("settled"), device="cpu", dtype="bf16")
+    assert clean.ok and 0 < clean.max_err <= 2e-2 and clean.tol == 2e-2
+    bad = run_observations(_cfg(policy="optimistic", hazard="unordered"), {"r0": 100},
+                           _swa_stream("optimistic"), device="cpu", dtype="bf16")
+    assert not bad.ok and bad.max_err > 1.0
+
+
+def test_kv_prompt_positions_shared_across_requests_generated_not():
+    s = Shape()
+    pos = np.arange(8, 12)
+    k0, v0 = kv_true("r0", 10, 0, pos, s)
+    k1, v1 = kv_true("r1", 10, 0, pos, s)
+    assert torch.equal(k0[:2], k1[:2]) and torch.equal(v0[:2], v1[:2])  # prompt 8, 9
+    assert not torch.equal(k0[2:], k1[2:])  # generated 10, 11
+    assert torch.equal(kv_true("r0", 10, 0, pos, s)[0], k0)  # deterministic
+    assert not torch.equal(kv_true("r0", 10, 1, pos, s)[0], k0)  # groups differ
+
+
+def test_mamba_and_chunked_local_and_hybrid_groups_run():
+    for groups in ((Group("mamba"),), (Group("chunked_local", 32),),
+                   (Group("full"), Group("sliding", 16))):
+        cfg = Config(groups=groups, block_size=16, num_blocks=64, depth=2)
+        tabs = [[1, 2, 3, 4, 5, 6, 7]] * len(groups)
+        evs = [[], [_step(0, "r0", 0, 64, *[t[:4] for t in tabs])],
+               [_step(1, "r0", 64, 100, *tabs)], [ProcessObs(0)], [ProcessObs(1)]]
+        rep = run_observations(cfg, {"r0": 100}, evs, device="cpu")
+        assert rep.ok and rep.positions == 100 * len(groups), cfg.label()
+
+
+def test_format_report_names_the_first_bad_read():
+    rep = run_observations(_cfg(policy="optimistic", spec_tokens=2), {"r0": 29},
+                           _spec_stream("optimistic"), device="cpu")
+    text = format_report(rep)
+    assert "NaN READ" in text and "step 2, r0 position 30" in text and ">>" in text
+    assert len(text.splitlines()) < 20
+
+
+# ---------------------------------------------------------------------- devices
+
+
+def test_device_selection_on_this_machine():
+    assert pick_device("cpu").type == "cpu"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device(None).type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            pick_device("cuda")
+        kernel, why = load_vllm_kernel(torch.device("cpu"), Shape(2, 16))
+        assert kernel is None and "no CUDA" in why
+    with pytest.raises(ValueError, match="unsupported device"):
+        pick_device("meta")
+
+
+def _emulated_unified_attention(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
+                                max_seqlen_k, softmax_scale, causal, window_size, block_table,
+                                softcap, q_descale, k_descale, v_descale):
+    """What vLLM's Triton unified_attention computes, written out plainly
+    (causal; key j of sequence i at block_table[i, j // B], slot j % B;
+    ``window_size[0] >= 0`` keeps keys with ``qpos - j < window_size[0] + 1``)."""
+    assert causal and softcap == 0 and q_descale is None
+    B = k.shape[1]
+    win = 1 + window_size[0]
+    for i in range(len(seqused_k)):
+        qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        seq_len = int(seqused_k[i])
+        assert seq_len <= max_seqlen_k and qe - qs <= max_seqlen_q
+        keys = torch.arange(seq_len)
+        blocks = block_table[i, keys // B].long()
+        kk, vv = k[blocks, keys % B].float(), v[blocks, keys % B].float()
+        for j in range(qs, qe):
+            qpos = seq_len - (qe - qs) + (j - qs)
+            m = keys <= qpos
+            if win > 0:
+                m &= (qpos - keys) < win
+            s = torch.einsum("hd,lhd->hl", q[j].float(), kk) * softmax_scale
+            s = s.masked_fill(~m[None], float("-inf"))
+            out[j] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vv).to(out.dtype)
+
+
+@pytest.mark.parametrize("group", [Group("full"), Group("sliding", 20), Group("mamba"),
+                                   Group("chunked_local", 32)])
+def test_vllm_kernel_call_agrees_with_torch_path_emulated(group):
+    """The arguments we hand vLLM's kernel (per-row sequences, windows,
+    chunked-local virtual batches) give what our torch path computes, with the
+    kernel's semantics emulated on the CPU."""
+    cfg = Config(groups=(group,), block_size=16, num_blocks=64, depth=2)
+    tab = [3, 9, 4, 7, 1, 2, 5]
+    evs = [[], [_step(0, "r0", 0, 64, tab[:4])], [_step(1, "r0", 64, 100, tab)],
+           [ProcessObs(0)], [ProcessObs(1)]]
+    fake = VllmKernel(_emulated_unified_attention, "emulated")
+    rep = run_observations(cfg, {"r0": 100}, evs, device="cpu", head_dim=16, vllm=fake)
+    assert rep.ok and rep.kernel_failed == ""
+    assert rep.kernel_max_err is not None and rep.kernel_max_err < 1e-5, rep.kernel_max_err
+    assert rep.kernel_ok
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA GPU on this machine (torch sees none): the CUDA and vLLM "
+                           "kernel confirmation runs only on a GPU (scripts/gpu_check.py)")
+def test_cuda_matches_cpu_and_vllm_kernel_agrees():
+    evs = _spec_stream("optimistic")
+    cfg = _cfg(policy="optimistic", spec_tokens=2)
+    cpu = run_observations(cfg, {"r0": 29}, evs, device="cpu", head_dim=16)
+    gpu = run_observations(cfg, {"r0": 29}, evs, device="cuda", head_dim=16)
+    assert gpu.device.startswith("cuda")
+    assert (gpu.first_bad.step, gpu.first_bad.position, gpu.first_bad.kind) == \
+        (cpu.first_bad.step, cpu.first_bad.position, cpu.first_bad.kind)
+    assert abs(gpu.max_err - cpu.max_err) <= 1e-5
+    if gpu.kernel_max_err is None:
+        pytest.skip(f"vLLM's kernel did not run on this GPU: {gpu.kernel_note}")
+    assert gpu.kernel_ok, gpu.kernel_max_err
+
+
+# ---------------------------------------------------------- the reference target
+
+
+def _reference_available() -> bool:
+    try:
+        from impl.reference import ReferenceTarget  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_reference = pytest.mark.skipif(not _reference_available(),
+                                     reason="impl.reference is not there yet")
+
+
+def _fixed(name: str) -> Trace:
+    return Trace.load(TRACES / f"{name}.json")
+
+
+def _with_policy(t: Trace, policy: str) -> Trace:
+    return Trace(replace(t.config, policy=policy), list(t.events), dict(t.meta))
+
+
+def _named_step(rep: AttentionReport) -> int | None:
+    """The step the property checker's first violation names."""
+    import re
+
+    m = re.search(r"step (\d+)", rep.property_violation)
+    return int(m.group(1)) if m else None
+
+
+def _all_fixed() -> list[Path]:
+    return sorted(TRACES.glob("*.json"))
+
+
+@needs_reference
+def test_fixed_traces_exist():
+    names = {p.stem for p in _all_fixed()}
+    assert len(names) >= 5, names
+
+
+def _sanity(rep: AttentionReport) -> None:
+    assert rep.steps > 0 and rep.positions > 0
+    assert math.isfinite(rep.max_err)
+
+
+def test_trace_json_roundtrip_of_a_hand_made_trace(tmp_path):
+    cfg = _cfg(policy="optimistic", hazard="unordered")
+    t = Trace(cfg, [AddRequest("r0", 100, 8), Schedule(), Schedule(), Process(), Process()],
+              {"expect_violation": True})
+    p = t.save(tmp_path / "t.json")
+    assert Trace.load(p).events == t.events
