@@ -1,0 +1,223 @@
+"""Everything that differs between vLLM releases, in one place.
+
+Two halves:
+
+* release bookkeeping that needs neither vLLM nor torch (the parent process,
+  ``scripts/install-vllm.sh``): which releases are supported, where one is
+  installed, what version a source checkout is, whether a tree tracks
+  in-flight tokens;
+* adapters used inside the worker process, given the imported vLLM modules:
+  building a request, a scheduler, a step's output; reading counters;
+  entering the preemption path. Each one names the releases it covers.
+
+Differences found between 0.25.1, 0.26.0 and 0.33.0 (what the adapters cover):
+
+==============================  =========  =========  ==========================
+                                0.25.1     0.26.0     0.33.0
+==============================  =========  =========  ==========================
+Request.num_in_flight_tokens    absent     present    present
+out-of-window free basis        c          c - f      c - f
+preempted in-flight output      applied    ignored    stale: tokens delivered,
+                                (counters)            counters untouched
+_preempt_request(...)           (r, ts)    (r, ts)    (r, ts, drop_stale_output)
+KVConnectorOutput.failed_recv   absent     absent     present
+invalid_block_ids, >1 group     crashes    crashes    RuntimeError (refused)
+get_request_block_hasher        (B, fn)    (B, fn)    (B, fn, lookahead=0)
+Model Runner V2 (async + PP)    no         no         yes
+==============================  =========  =========  ==========================
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+MIN_RELEASE = (0, 25, 1)
+MAX_LINE = (0, 33)
+TESTED = ("0.25.1", "0.26.0", "0.33.0")
+FIX_RELEASE = (0, 26, 0)  # first release that frees on the settled count
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_ROOT = REPO / ".vllm"
+
+
+# ------------------------------------------------------------------ releases
+
+
+def parse_release(version: str) -> tuple[int, int, int] | None:
+    m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", version.strip())
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+def _range_text() -> str:
+    return f"{'.'.join(map(str, MIN_RELEASE))} .. {'.'.join(map(str, MAX_LINE))}.x"
+
+
+def release_problem(version: str) -> str | None:
+    """None if ``version`` is a supported release, else a one-line reason."""
+    v = parse_release(version)
+    if v is None:
+        return f"{version!r} is not a vLLM release number like 0.33.0 (supported: {_range_text()})"
+    if v < MIN_RELEASE or v[:2] > MAX_LINE:
+        return (
+            f"vllm {version} is not supported (supported: {_range_text()}; "
+            f"tested {', '.join(TESTED)})"
+        )
+    return None
+
+
+def install_dir(version: str) -> Path:
+    return INSTALL_ROOT / version
+
+
+def install_command(version: str) -> str:
+    return f"scripts/install-vllm.sh {version}"
+
+
+def installed_releases() -> list[str]:
+    """Releases installed under .vllm/, oldest first."""
+    found = []
+    if INSTALL_ROOT.is_dir():
+        for d in INSTALL_ROOT.iterdir():
+            v = parse_release(d.name)
+            if v and (d / "vllm" / "__init__.py").is_file() and not release_problem(d.name):
+                found.append((v, d.name))
+    return [name for _, name in sorted(found)]
+
+
+def checkout_version(tree: Path) -> str | None:
+    """The release line of a vLLM source checkout (``tree`` holds ``vllm/``):
+    from its generated ``vllm/_version.py``, else from ``git describe``."""
+    vf = tree / "vllm" / "_version.py"
+    if vf.is_file():
+        m = re.search(r"""(?:__version__|version)\s*(?::[^=]*)?=\s*['"]v?(\d+\.\d+\.\d+)""",
+                      vf.read_text(errors="replace"))
+        if m:
+            return m[1]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(tree), "describe", "--tags", "--abbrev=0"],
+            capture_output=True, text=True, timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.match(r"v?(\d+\.\d+\.\d+)", out.stdout.strip())
+    return m[1] if out.returncode == 0 and m else None
+
+
+def tracks_in_flight(vllm_pkg: Path) -> bool:
+    """Whether the vLLM package at ``vllm_pkg`` has ``Request.num_in_flight_tokens``
+    (the settled-count fix). Read from the source, without importing it."""
+    try:
+        text = (vllm_pkg / "v1" / "request.py").read_text(errors="replace")
+    except OSError:
+        return False
+    return "num_in_flight_tokens" in text
+
+
+# ------------------------------------------------ worker-side adapters (vLLM)
+
+
+def _params(fn: Any) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def make_sampling_params(SamplingParams: type, max_tokens: int) -> Any:
+    """Greedy-irrelevant params: the engine stops only on max_tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_request(Request: type, rid: str, prompt: list[int], params: Any,
+                 block_hasher: Any, arrival: float) -> Any:
+    """``Request(...)`` from the signature the release has (all: request_id,
+    prompt_token_ids, sampling_params, pooling_params, arrival_time,
+    block_hasher; older lines also take ``eos_token_id``)."""
+    kw: dict[str, Any] = dict(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=params,
+        pooling_params=None, arrival_time=arrival, block_hasher=block_hasher,
+    )
+    names = _params(Request.__init__)
+    if "eos_token_id" in names:
+        kw["eos_token_id"] = None
+    return Request(**{k: v for k, v in kw.items() if k in names})
+
+
+def make_block_hasher(kv_cache_utils: Any, hashing: Any, algo: str, block_size: int) -> Any:
+    fn = hashing.get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(fn)
+    return kv_cache_utils.get_request_block_hasher(block_size, fn)
+
+
+def _init_params(cls: type) -> set[str]:
+    """Named parameters of ``cls(...)``, looking through ``*args, **kwargs``
+    pass-through constructors (AsyncScheduler) to the base that names them."""
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            ps = inspect.signature(klass.__init__).parameters.values()
+            names = {p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+            if names - {"self"}:
+                return names
+    return set()
+
+
+def scheduler_kwargs(cls: type, block_size: int) -> dict[str, Any]:
+    names = _init_params(cls)
+    kw: dict[str, Any] = {}
+    if "block_size" in names:
+        kw["block_size"] = block_size
+    if "hash_block_size" in names:
+        kw["hash_block_size"] = block_size
+    if "log_stats" in names:
+        kw["log_stats"] = False
+    return kw
+
+
+def kv_cache_config(KVCacheConfig: type, num_blocks: int, groups: list, block_size: int) -> Any:
+    import dataclasses
+
+    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    names = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    if "hash_block_size" in names:  # 0.33: set by the engine from the scheduler block size
+        kvc.hash_block_size = block_size
+    return kvc
+
+
+def dataclass_kwargs(cls: type, **kw: Any) -> Any:
+    """Instantiate a vLLM output dataclass with the fields this release has."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def in_flight(request: Any) -> int | None:
+    """``num_in_flight_tokens`` (>= 0.26.0), else None."""
+    return getattr(request, "num_in_flight_tokens", None)
+
+
+def admission_cap(manager: Any) -> int | None:
+    """The per-request block cap a single-type manager admits with (None: none)."""
+    return getattr(manager, "_max_admission_blocks_per_request", None)
+
+
+def preempt(scheduler: Any, request: Any, timestamp: float) -> None:
+    """The scheduler's own preemption path, entered as its schedule() enters it
+    (pool pressure): remove from the running list, then ``_preempt_request``.
+    0.33 passes ``drop_stale_output=self.requires_kv_delivery`` there."""
+    scheduler.running.remove(request)
+    if "drop_stale_output" in _params(scheduler._preempt_request):
+        scheduler._preempt_request(
+            request, timestamp,
+            drop_stale_output=bool(getattr(scheduler, "requires_kv_delivery", False)),
+        )
+    else:
+        scheduler._preempt_request(request, timestamp)
+
+
+def has_failed_recving(KVConnectorOutput: type) -> bool:
+    import dataclasses
+
+    return "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}

@@ -1,0 +1,713 @@
+"""Drive vLLM's real scheduler and KV-cache manager from kvcheck events.
+
+Runs inside the worker process (:mod:`impl.vllm.worker`), which imports one
+vLLM. Nothing of vLLM is mocked: the driver builds a ``Scheduler`` /
+``AsyncScheduler`` with a ``KVCacheConfig`` made of vLLM's own spec classes,
+feeds it ``Request`` objects and ``ModelRunnerOutput`` objects as the engine
+core does, and reads what happened off the real objects:
+
+* block tables: ``req_to_blocks`` of each single-type manager, right after
+  ``schedule()`` returns;
+* allocations: a diff of the request's tables across ``allocate_slots``
+  (``cached`` when the block did not come out of ``get_new_blocks``);
+* frees: ``BlockPool.free_blocks`` on the instance, each reference drop
+  attributed to a request, a logical slot and a reason by the call path:
+  inside a single-type manager's ``remove_skipped_blocks`` -> ``window``;
+  blocks popped by ``pop_blocks_for_free`` (a request-level free, immediate or
+  deferred by vLLM's fence queue) -> the reason of the path that popped them:
+  ``_preempt_request`` -> ``preempt``, ``_free_blocks`` of a finished request
+  -> ``finish`` / ``abort`` (stopped or length-capped -> finish), a failed
+  async load's release -> ``failed_load``. A free is reported when the block
+  reaches the pool, so a deferred free appears at the Process that drains it;
+  until then the block still counts as live for its request;
+* counters: ``num_computed_tokens``, ``num_in_flight_tokens`` (None before
+  0.26.0), request status.
+
+A free that no path accounts for, or a table that differs from the one the
+observations built up, raises (the parent reports it as a target crash): the
+instrumentation never guesses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.events import (
+    Abort,
+    AddRequest,
+    Config,
+    FailLoad,
+    Finish,
+    Preempt,
+    Process,
+    Schedule,
+)
+from model.observations import (
+    NULL,
+    AllocObs,
+    Counters,
+    FinishObs,
+    FreeObs,
+    Observed,
+    ProcessObs,
+    ReqCounters,
+    ReqStep,
+    StepObs,
+)
+
+from . import compat
+
+MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
+MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
+
+OUTPUT_TOKEN = 7  # every sampled token (EOS is ignored; only max_tokens stops)
+DRAFT_TOKEN = 9  # drafts proposed at depth 1 (async: vLLM's -1 placeholders)
+
+
+def prompt_token(t: int) -> int:
+    """Prompt token at position ``t``, the same for every request."""
+    return 100 + t % 800
+
+
+class ConfigUnsupported(Exception):
+    """The config cannot run on this vLLM (one line)."""
+
+
+class EventUnsupported(Exception):
+    """The event cannot be expressed on this vLLM / config (one line)."""
+
+
+class EventRejected(Exception):
+    """The event is not valid now (its precondition does not hold)."""
+
+
+class InstrumentationError(AssertionError):
+    """The observations lost track of vLLM's state."""
+
+
+@dataclass
+class _Pending:
+    """A scheduled, unprocessed step."""
+
+    step: int
+    output: Any  # the SchedulerOutput
+    obs: dict[str, ReqStep]
+    samples: dict[str, bool]  # whether the step samples a token for the request
+    failed: dict[str, int] = field(default_factory=dict)  # rid -> first bad block
+
+
+class Driver:
+    def __init__(self) -> None:
+        import torch
+        import vllm
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+            VllmConfig,
+        )
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils import hashing
+        from vllm.v1 import kv_cache_interface as kvi
+        from vllm.v1 import outputs
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from . import connector
+
+        connector.register()
+        self.torch = torch
+        self.version = vllm.__version__
+        self.vllm_file = vllm.__file__
+        self.c = dict(
+            CacheConfig=CacheConfig, DeviceConfig=DeviceConfig, KVTransferConfig=KVTransferConfig,
+            ModelConfig=ModelConfig, ParallelConfig=ParallelConfig,
+            SchedulerConfig=SchedulerConfig, SpeculativeConfig=SpeculativeConfig,
+            VllmConfig=VllmConfig,
+        )
+        self.SamplingParams = SamplingParams
+        self.hashing = hashing
+        self.kvi = kvi
+        self.outputs = outputs
+        self.kv_cache_utils = kv_cache_utils
+        self.AsyncScheduler = AsyncScheduler
+        self.Scheduler = Scheduler
+        self.Request = Request
+        self.RS = RequestStatus
+        self.StructuredOutputManager = StructuredOutputManager
+        self.connector_mod = connector
+        self.has_failed_recving = compat.has_failed_recving(outputs.KVConnectorOutput)
+        self.sched: Any = None
+        self._depth_modes: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- probe
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "vllm_file": self.vllm_file,
+            "in_flight": compat.tracks_in_flight(Path(self.vllm_file).parent),
+        }
+
+    # ----------------------------------------------------------------- reset
+
+    def _depth_mode(self, depth: int) -> tuple[type, bool, int]:
+        """Scheduler class, async scheduling, pipeline-parallel size for ``depth``
+        batches in flight (``VllmConfig.max_concurrent_batches == depth``)."""
+        if depth not in self._depth_modes:
+            self._depth_modes[depth] = self._find_depth_mode(depth)
+        return self._depth_modes[depth]
+
+    def _find_depth_mode(self, depth: int) -> tuple[type, bool, int]:
+        if depth == 1:
+            return self.Scheduler, False, 1
+        if depth == 2:
+            return self.AsyncScheduler, True, 1
+        # PP: async scheduling with Model Runner V2 keeps pp + 1 batches in
+        # flight (0.33); where the release refuses that, synchronous PP keeps
+        # pp batches in flight (a request then has one decode step in flight).
+        try:
+            vc = self._make_vllm_config(Config(groups=()), depth, True, depth - 1, probe=True)
+            if vc.max_concurrent_batches == depth:
+                return self.AsyncScheduler, True, depth - 1
+        except Exception:  # noqa: BLE001 - the release refuses async + PP
+            pass
+        return self.Scheduler, False, depth
+
+    def depth_note(self, depth: int) -> str:
+        cls, async_, pp = self._depth_mode(depth)
+        kind = "async scheduling" if async_ else "synchronous scheduling"
+        return f"depth {depth}: {cls.__name__}, {kind}, pipeline_parallel_size={pp}"
+
+    def _make_vllm_config(self, cfg: Config, depth: int, async_: bool, pp: int,
+                          probe: bool = False) -> Any:
+        c = self.c
+        max_len = cfg.max_model_len if not probe else 512
+        model = c["ModelConfig"](model=str(MODEL_DIR), skip_tokenizer_init=True,
+                                 max_model_len=max_len)
+        sched = c["SchedulerConfig"](
+            max_num_batched_tokens=cfg.max_num_batched_tokens if not probe else 64,
+            max_num_seqs=cfg.max_num_seqs if not probe else 8,
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            async_scheduling=async_,
+        )
+        cache = c["CacheConfig"](
+            block_size=cfg.block_size if not probe else 16,
+            enable_prefix_caching=bool(cfg.prefix_caching) if not probe else False,
+        )
+        kw: dict[str, Any] = {}
+        if not probe and cfg.spec_tokens:
+            kw["speculative_config"] = c["SpeculativeConfig"](
+                method="ngram_gpu", num_speculative_tokens=cfg.spec_tokens,
+                prompt_lookup_min=1, prompt_lookup_max=3,
+            )
+        if not probe and cfg.hazard == "unordered":
+            kw["kv_transfer_config"] = c["KVTransferConfig"](
+                kv_connector=self.connector_mod.NAME, kv_role="kv_consumer",
+                kv_load_failure_policy="recompute",
+            )
+        return c["VllmConfig"](
+            model_config=model, cache_config=cache, scheduler_config=sched,
+            device_config=c["DeviceConfig"](device="cpu"),
+            parallel_config=c["ParallelConfig"](pipeline_parallel_size=pp),
+            **kw,
+        )
+
+    def _group_spec(self, kind: str, param: int, cfg: Config) -> Any:
+        kvi, B = self.kvi, cfg.block_size
+        common = dict(block_size=B, num_kv_heads=1, head_size=8, dtype=self.torch.float32)
+        if kind == "full":
+            return kvi.FullAttentionSpec(**common)
+        if kind == "sliding":
+            return kvi.SlidingWindowSpec(**common, sliding_window=param)
+        if kind == "chunked_local":
+            return kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=param)
+        if kind == "mamba":
+            # One state slot per B tokens, kept for the last computed token
+            # ("none" cache mode); a real model sets num_speculative_blocks
+            # to the number of spec tokens.
+            return kvi.MambaSpec(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
+                                 mamba_cache_mode="none",
+                                 num_speculative_blocks=cfg.spec_tokens)
+        raise ConfigUnsupported(f"unknown kind {kind!r}")
+
+    def reset(self, cfg: Config, session_note: str = "") -> Observed:
+        if cfg.max_model_len > MODEL_MAX_LEN:
+            raise ConfigUnsupported(f"max_model_len {cfg.max_model_len} > {MODEL_MAX_LEN}")
+        cls, async_, pp = self._depth_mode(cfg.depth)
+        try:
+            vc = self._make_vllm_config(cfg, cfg.depth, async_, pp)
+        except Exception as e:  # noqa: BLE001 - vLLM's config validation
+            raise ConfigUnsupported(f"vllm {self.version} refuses this config: "
+                                    f"{_one_line(e)}") from None
+        if vc.max_concurrent_batches != cfg.depth:
+            raise ConfigUnsupported(
+                f"vllm {self.version} runs {vc.max_concurrent_batches} batch(es) in flight, "
+                f"not depth {cfg.depth}")
+        vc.cache_config.num_gpu_blocks = cfg.num_blocks
+        groups = [
+            self.kvi.KVCacheGroupSpec([f"layer{i}"], self._group_spec(g.kind, g.param, cfg))
+            for i, g in enumerate(cfg.groups)
+        ]
+        kvc = compat.kv_cache_config(self.kvi.KVCacheConfig, cfg.num_blocks, groups,
+                                     cfg.block_size)
+        try:
+            sched = cls(vllm_config=vc, kv_cache_config=kvc,
+                        structured_output_manager=self.StructuredOutputManager(vc),
+                        **compat.scheduler_kwargs(cls, cfg.block_size))
+        except Exception as e:  # noqa: BLE001 - vLLM refuses the layout
+            raise ConfigUnsupported(f"vllm {self.version} cannot build this KV-cache layout: "
+                                    f"{_one_line(e)}") from None
+        self.cfg = cfg
+        self.sched = sched
+        self.kvm = sched.kv_cache_manager
+        self.pool = self.kvm.block_pool
+        self.mgrs = list(self.kvm.coordinator.single_type_managers)
+        if len(self.mgrs) != len(cfg.groups):
+            raise ConfigUnsupported(
+                f"vllm {self.version} merged the {len(cfg.groups)} groups into {len(self.mgrs)}")
+        if any(m.block_pool is not self.pool for m in self.mgrs):
+            raise ConfigUnsupported("vllm uses one block pool per group here; not supported")
+        self.null = self.pool.null_block
+        self.null_id = self.null.block_id
+        self.connector = getattr(sched, "connector", None)
+        self.block_hasher = None
+        if cfg.prefix_caching or self.connector is not None:
+            self.block_hasher = compat.make_block_hasher(
+                self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
+                cfg.block_size)
+        self.max_tokens_per_step = sched.max_num_scheduled_tokens
+        self.bound = tuple(
+            compat.admission_cap(m) or -(-cfg.max_model_len // cfg.block_size)
+            for m in self.mgrs
+        )
+        # observation state
+        self.items: list[Any] = []
+        self.pending: deque[_Pending] = deque()
+        self.next_step = 0
+        self.reqs: dict[str, Any] = {}  # rid -> Request (also after it finished)
+        self.table: dict[str, list[list[int]]] = {}  # rid -> per group: slot -> physical id
+        self.limbo: dict[str, list[int]] = {}  # rid -> per group: popped, not yet in the pool
+        self.owed: dict[int, list[tuple[int, str, int, str]]] = {}  # block -> (g, rid, slot, why)
+        self.reasons: list[str] = []
+        self.window: list[tuple[int, str, list[Any]]] = []  # (group, rid, table before)
+        self.fresh: set[int] = set()
+        self.failed_now: dict[str, int] = {}
+        self.finished_now: set[str] = set()
+        self.quiet: set[str] = set()
+        self.arrival = 0
+        self._instrument()
+        return Observed(items=[], counters=self._counters())
+
+    # --------------------------------------------------------- instrumenting
+
+    def _instrument(self) -> None:
+        pool, sched, kvm = self.pool, self.sched, self.kvm
+
+        free_blocks = pool.free_blocks
+
+        def free_blocks_w(ordered_blocks: Any) -> Any:
+            blocks = list(ordered_blocks)
+            for b in blocks:
+                if not b.is_null:
+                    self._attribute_free(b)
+            return free_blocks(blocks)
+
+        pool.free_blocks = free_blocks_w
+
+        get_new_blocks = pool.get_new_blocks
+
+        def get_new_blocks_w(num_blocks: int) -> Any:
+            ret = get_new_blocks(num_blocks)
+            self.fresh.update(id(b) for b in ret)
+            return ret
+
+        pool.get_new_blocks = get_new_blocks_w
+
+        for g, mgr in enumerate(self.mgrs):
+            self._wrap_manager(g, mgr)
+
+        allocate_slots = kvm.allocate_slots
+
+        def allocate_slots_w(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid = request.request_id
+            before = [list(m.req_to_blocks.get(rid, ())) for m in self.mgrs]
+            self.fresh = set()
+            ret = allocate_slots(request, *args, **kwargs)
+            for g, m in enumerate(self.mgrs):
+                after = m.req_to_blocks.get(rid)
+                if after:
+                    self._record_allocs(g, rid, before[g], after)
+            return ret
+
+        kvm.allocate_slots = allocate_slots_w
+
+        self._wrap_reason(sched, "_preempt_request", lambda request, *a, **k: "preempt")
+        self._wrap_reason(sched, "_free_blocks", lambda request, *a, **k: self._end_reason(request))
+        if hasattr(sched, "_update_waiting_for_remote_kv"):
+            self._wrap_reason(sched, "_update_waiting_for_remote_kv",
+                              lambda request, *a, **k: "failed_load")
+
+        free_request = sched._free_request
+
+        def free_request_w(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid = request.request_id
+            if rid not in self.finished_now:
+                self.finished_now.add(rid)
+                self.items.append(FinishObs(rid, self._finish_obs_reason(request)))
+            return free_request(request, *args, **kwargs)
+
+        sched._free_request = free_request_w
+
+        handle_invalid = sched._handle_invalid_blocks
+
+        def handle_invalid_w(*args: Any, **kwargs: Any) -> Any:
+            self.reasons.append("failed_load")
+            try:
+                affected = handle_invalid(*args, **kwargs)
+            finally:
+                self.reasons.pop()
+            B = self.cfg.block_size
+            for rid in affected or ():
+                r = self.reqs.get(rid)
+                if r is not None:
+                    self.failed_now[rid] = r.num_computed_tokens // B
+            return affected
+
+        sched._handle_invalid_blocks = handle_invalid_w
+
+    def _wrap_reason(self, obj: Any, name: str, reason_of: Any) -> None:
+        orig = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.reasons.append(reason_of(*args, **kwargs))
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.reasons.pop()
+
+        setattr(obj, name, wrapper)
+
+    def _wrap_manager(self, g: int, mgr: Any) -> None:
+        remove_skipped = mgr.remove_skipped_blocks
+
+        def remove_skipped_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            self.window.append((g, request_id, list(mgr.req_to_blocks.get(request_id, ()))))
+            try:
+                return remove_skipped(request_id, *args, **kwargs)
+            finally:
+                self.window.pop()
+
+        mgr.remove_skipped_blocks = remove_skipped_w
+
+        pop_blocks = mgr.pop_blocks_for_free
+
+        def pop_blocks_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            blocks = pop_blocks(request_id, *args, **kwargs)
+            why = self.reasons[-1] if self.reasons else None
+            tab = self.table.get(request_id)
+            if tab is None:
+                return blocks
+            held = 0
+            for slot, b in enumerate(blocks):
+                if b.is_null:
+                    continue
+                if why is None:
+                    raise InstrumentationError(
+                        f"request {request_id} gives up its blocks on a path kvcheck "
+                        f"cannot name (group {g}, block {self._pid(b)})")
+                self.owed.setdefault(id(b), []).append((g, request_id, slot, why))
+                held += 1
+            tab[g] = []
+            self.limbo[request_id][g] += held
+            return blocks
+
+        mgr.pop_blocks_for_free = pop_blocks_w
+
+    # ------------------------------------------------------ attributing frees
+
+    def _pid(self, b: Any) -> int:
+        """Physical id in observations: the NULL block is 0 whatever vLLM numbers it."""
+        if b.is_null:
+            return NULL
+        i = b.block_id
+        return self.null_id if i == NULL else i
+
+    def _vid(self, pid: int) -> int:
+        """vLLM's block id of an observed physical id (inverse of :meth:`_pid`)."""
+        return NULL if pid == self.null_id != NULL else pid
+
+    def _attribute_free(self, b: Any) -> None:
+        if self.window:
+            g, rid, before = self.window[-1]
+            for slot, x in enumerate(before):
+                if x is b:
+                    self._emit_free(b, g, rid, slot, "window")
+                    self.table[rid][g][slot] = NULL
+                    return
+        owed = self.owed.get(id(b))
+        if owed:
+            g, rid, slot, why = owed.pop(0)
+            if not owed:
+                del self.owed[id(b)]
+            self.limbo[rid][g] -= 1
+            self._emit_free(b, g, rid, slot, why)
+            return
+        raise InstrumentationError(
+            f"block {self._pid(b)} returned to the pool by a path kvcheck cannot attribute")
+
+    def _emit_free(self, b: Any, g: int, rid: str, slot: int, why: str) -> None:
+        self.items.append(FreeObs(self._pid(b), g, rid, slot, why))
+
+    def _record_allocs(self, g: int, rid: str, before: list[Any], after: list[Any]) -> None:
+        if len(after) == len(before) and after[-1] is before[-1]:
+            return  # nothing appended (the common decode step)
+        seen = {id(x) for x in before}
+        tab = self.table[rid][g]
+        for slot, b in enumerate(after):
+            if b.is_null or id(b) in seen:
+                continue
+            if len(tab) <= slot:
+                tab.extend([NULL] * (slot + 1 - len(tab)))
+            pid = self._pid(b)
+            tab[slot] = pid
+            self.items.append(AllocObs(pid, g, rid, slot, cached=id(b) not in self.fresh))
+        if len(tab) < len(after):
+            tab.extend([NULL] * (len(after) - len(tab)))
+
+    def _end_reason(self, request: Any) -> str:
+        st = request.status
+        if st == self.RS.FINISHED_ABORTED:
+            return "abort"
+        if st == self.RS.FINISHED_ERROR:
+            return "failed_load"
+        return "finish"
+
+    def _finish_obs_reason(self, request: Any) -> str:
+        st = request.status
+        if st == self.RS.FINISHED_LENGTH_CAPPED:
+            return "length"
+        if st == self.RS.FINISHED_ABORTED:
+            return "abort"
+        if st == self.RS.FINISHED_STOPPED:
+            return "finish"
+        return str(st).lower()
+
+    # ----------------------------------------------------------------- events
+
+    def apply(self, ev: Any) -> Observed:
+        if self.sched is None:
+            raise EventRejected("reset() first")
+        self.items = []
+        self.finished_now = set()
+        t = type(ev)
+        if t is Schedule:
+            self._schedule()
+        elif t is Process:
+            self._process(ev)
+        elif t is AddRequest:
+            self._add(ev)
+        elif t is Preempt:
+            self._preempt(ev)
+        elif t is FailLoad:
+            self._fail_load(ev)
+        elif t is Finish or t is Abort:
+            self._finish(ev)
+        else:
+            raise EventRejected(f"unknown event {ev!r}")
+        return Observed(items=self.items, counters=self._counters())
+
+    def _add(self, ev: AddRequest) -> None:
+        if ev.id in self.reqs:
+            raise EventRejected(f"request {ev.id} was already added")
+        if ev.prompt_len + ev.max_new_tokens > self.cfg.max_model_len:
+            raise EventRejected(f"request {ev.id} exceeds max_model_len")
+        if ev.external_tokens:
+            if self.connector is None:
+                raise EventUnsupported(
+                    "external tokens need a KV-consumer connector, which vLLM runs with "
+                    "hazard=unordered only")
+            if not 0 < ev.external_tokens < ev.prompt_len:
+                raise EventRejected("external_tokens must be in (0, prompt_len)")
+        prompt = [prompt_token(t) for t in range(ev.prompt_len)]
+        self.arrival += 1
+        req = compat.make_request(
+            self.Request, ev.id, prompt,
+            compat.make_sampling_params(self.SamplingParams, ev.max_new_tokens),
+            self.block_hasher, float(self.arrival))
+        if ev.external_tokens:
+            self.connector.offers[ev.id] = ev.external_tokens
+        self.reqs[ev.id] = req
+        self.table[ev.id] = [[] for _ in self.mgrs]
+        self.limbo[ev.id] = [0] * len(self.mgrs)
+        self.sched.add_request(req)
+
+    def _schedule(self) -> None:
+        if len(self.pending) >= self.cfg.depth:
+            raise EventRejected(f"{self.cfg.depth} step(s) already in flight")
+        out = self.sched.schedule()
+        if not out.total_num_scheduled_tokens:
+            return  # an empty step: nothing runs, nothing to process
+        meta = getattr(out, "kv_connector_metadata", None)
+        loads = getattr(meta, "loads", None) or {}
+        spec = out.scheduled_spec_decode_tokens
+        step = self.next_step
+        self.next_step += 1
+        obs: dict[str, ReqStep] = {}
+        samples: dict[str, bool] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            r = self.reqs[rid]
+            end = r.num_computed_tokens
+            tables = tuple(
+                tuple(self._pid(b) for b in m.req_to_blocks.get(rid, ())) for m in self.mgrs
+            )
+            mine = self.table[rid]
+            for g, tab in enumerate(tables):
+                if list(tab) != mine[g]:
+                    raise InstrumentationError(
+                        f"step {step}: request {rid} group {g} is scheduled with table "
+                        f"{list(tab)}, observations say {mine[g]}")
+            obs[rid] = ReqStep(rid, end - n, end, len(spec.get(rid, ())), loads.get(rid, 0),
+                               tables)
+            samples[rid] = not r.is_prefill_chunk
+        self.pending.append(_Pending(step, out, obs, samples))
+        self.items.append(StepObs(step, tuple(obs.values())))
+
+    def _process(self, ev: Process) -> None:
+        if not self.pending:
+            raise EventRejected("no step in flight")
+        p = self.pending.popleft()
+        out = p.output
+        rids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        accepted: list[tuple[str, int]] = []
+        for rid in rids:
+            k = p.obs[rid].spec
+            a = min(ev.accepted.get(rid, k), k)
+            if k:
+                accepted.append((rid, a))
+            sampled.append([OUTPUT_TOKEN] * (1 + a) if p.samples[rid] else [])
+        kv_out = None
+        if p.failed:
+            kv_out = compat.dataclass_kwargs(
+                self.outputs.KVConnectorOutput,
+                invalid_block_ids=self._invalid_blocks(p),
+            )
+        gone_before = {rid for rid in rids
+                       if rid not in self.sched.requests or self.reqs[rid].is_finished()}
+        ntok_before = {rid: self.reqs[rid].num_output_tokens for rid in rids}
+        mro = compat.dataclass_kwargs(
+            self.outputs.ModelRunnerOutput,
+            req_ids=rids, req_id_to_index={rid: i for i, rid in enumerate(rids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[], kv_connector_output=kv_out,
+        )
+        at = len(self.items)
+        self.failed_now = {}
+        self.sched.update_from_output(out, mro)
+        discarded = []
+        for rid in rids:
+            if rid in gone_before or rid in self.failed_now:
+                discarded.append(rid)
+            elif p.samples[rid] and self.reqs[rid].num_output_tokens == ntok_before[rid]:
+                discarded.append(rid)  # vLLM dropped the output (stale after preemption)
+        self.items.insert(at, ProcessObs(p.step, tuple(accepted), tuple(discarded),
+                                         tuple(sorted(self.failed_now.items()))))
+        if self.cfg.depth == 1 and self.cfg.spec_tokens:
+            self._propose_drafts(rids)
+
+    def _propose_drafts(self, rids: list[str]) -> None:
+        """Synchronous scheduling: the drafter proposes ``spec_tokens`` drafts
+        on the step's output, and the engine hands them to the scheduler."""
+        live = [rid for rid in rids
+                if rid in self.sched.requests and self.reqs[rid].status == self.RS.RUNNING]
+        if live:
+            self.sched.update_draft_token_ids(self.outputs.DraftTokenIds(
+                live, [[DRAFT_TOKEN] * self.cfg.spec_tokens for _ in live]))
+
+    def _invalid_blocks(self, p: _Pending) -> set[int]:
+        """What a worker-side connector reports for a failed load: the physical
+        blocks it loaded into from the first bad block on, as the loading step
+        was scheduled with them (group 0; vLLM takes block ids of one group)."""
+        bad: set[int] = set()
+        B = self.cfg.block_size
+        for rid, k in p.failed.items():
+            rs = p.obs[rid]
+            tab = rs.tables[0]
+            for slot in range(k, min(len(tab), -(-rs.start // B))):
+                if tab[slot] != NULL:
+                    bad.add(self._vid(tab[slot]))
+        return bad
+
+    def _preempt(self, ev: Preempt) -> None:
+        r = self.sched.requests.get(ev.id)
+        if r is None or r.status != self.RS.RUNNING or r not in self.sched.running:
+            raise EventRejected(f"request {ev.id} is not running")
+        compat.preempt(self.sched, r, time.monotonic())
+
+    def _fail_load(self, ev: FailLoad) -> None:
+        if len(self.mgrs) > 1:
+            raise EventUnsupported(
+                "a failed load is reported to vLLM by block id, which it maps to "
+                "requests only with one KV-cache group")
+        B = self.cfg.block_size
+        for p in self.pending:
+            rs = p.obs.get(ev.id)
+            if rs is not None and rs.loaded and rs.start - rs.loaded <= ev.first_bad_block * B \
+                    < rs.start:
+                p.failed[ev.id] = min(ev.first_bad_block, p.failed.get(ev.id, ev.first_bad_block))
+                return
+        raise EventRejected(f"request {ev.id} has no unprocessed load covering block "
+                            f"{ev.first_bad_block}")
+
+    def _finish(self, ev: Finish | Abort) -> None:
+        r = self.sched.requests.get(ev.id)
+        if r is None or r.is_finished():
+            raise EventRejected(f"request {ev.id} is not live")
+        status = self.RS.FINISHED_STOPPED if type(ev) is Finish else self.RS.FINISHED_ABORTED
+        self.sched.finish_requests(ev.id, status)
+
+    # --------------------------------------------------------------- counters
+
+    def _status(self, r: Any) -> str:
+        st = r.status
+        if st == self.RS.RUNNING:
+            return "running"
+        if st == self.RS.PREEMPTED:
+            return "preempted"
+        if r.is_finished():
+            return "finished"
+        return "waiting"
+
+    def _counters(self) -> Counters:
+        reqs: dict[str, ReqCounters] = {}
+        for rid, r in self.reqs.items():
+            if rid in self.quiet:
+                continue
+            live = tuple(sum(1 for x in tab if x != NULL) + lim
+                         for tab, lim in zip(self.table[rid], self.limbo[rid], strict=True))
+            status = self._status(r)
+            reqs[rid] = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
+            if status == "finished" and not any(live):
+                self.quiet.add(rid)  # reported finished and empty once: left out from now on
+        return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
