@@ -43,7 +43,8 @@ from model.events import (
 from model.observations import Observed
 from properties.invariants import Checker, Violation, expected_witnesses
 
-MAX_REQUESTS = 4
+MAX_REQUESTS = 4  # live at once
+MAX_ADDED = 8  # per example
 
 
 class PropertyFailed(AssertionError):
@@ -119,6 +120,7 @@ class KVMachine(RuleBasedStateMachine):
     stats: ClassVar[RunStats]
     target: ClassVar[Target | None] = None
     last: ClassVar[dict[str, Any]] = {}
+    on_example: ClassVar[Any] = None  # callback(phase, machine), phase "setup" / "teardown"
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,8 +176,11 @@ class KVMachine(RuleBasedStateMachine):
         obs = cls.target.reset(cfg)
         self.checker.feed(None, obs)
         self.counters = obs.counters
+        if cls.on_example is not None:
+            cls.on_example("setup", self)
 
-    @precondition(lambda self: self.cfg is not None and len(self.added) < MAX_REQUESTS)
+    @precondition(lambda self: self.cfg is not None and len(self._live()) < MAX_REQUESTS
+                  and len(self.added) < MAX_ADDED)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
         cfg = self.cfg
@@ -190,7 +195,7 @@ class KVMachine(RuleBasedStateMachine):
         self._apply(AddRequest(rid, prompt, new, ext))
 
     @precondition(lambda self: self.cfg is not None
-                  and self.checker.in_flight_steps() < self.cfg.depth and self._live())
+                  and self.checker.in_flight_steps() < self.cfg.depth)
     @rule()
     def schedule(self) -> None:
         self._apply(Schedule())
@@ -247,6 +252,8 @@ class KVMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.checker is not None:
             type(self).stats.witness.update(self.checker.witness)
+        if type(self).on_example is not None:
+            type(self).on_example("teardown", self)
 
 
 def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
@@ -279,6 +286,8 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
 
     target = target or make_target(spec.target)
     cls = make_machine(spec, target)
+    if on_example is not None:
+        cls.on_example = staticmethod(on_example)
     if seed is not None:
         cls._hypothesis_internal_use_seed = seed
     s = settings(

@@ -1,0 +1,90 @@
+"""The CLI's contract: exit statuses and one-line errors, never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, cwd=None):
+    env = dict(os.environ, KVCHECK_NO_VENV="1")
+    p = subprocess.run([sys.executable, str(ROOT / "kvcheck"), *args], capture_output=True,
+                       text=True, cwd=cwd or ROOT, env=env, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def good_trace(tmp_path, **cfg):
+    d = {"version": 1,
+         "config": {"groups": [{"kind": "sliding", "param": 16}], "block_size": 16,
+                    "num_blocks": 64, "max_num_batched_tokens": 64, "depth": 2,
+                    "policy": "optimistic", **cfg},
+         "events": [{"type": "AddRequest", "id": "r0", "prompt_len": 100, "max_new_tokens": 8},
+                    {"type": "Schedule"}, {"type": "Schedule"}]}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize("content", [
+    "{not json",
+    '{"version": 1}',
+    '{"version": 1, "config": {"groups": [{"kind": "ring"}]}, "events": []}',
+    '[1, 2]',
+])
+def test_malformed_trace_exit_2(tmp_path, content):
+    p = tmp_path / "bad.json"
+    p.write_text(content)
+    before = p.read_text()
+    code, out, err = run("replay", str(p))
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert p.read_text() == before  # nothing the user gave is touched
+
+
+def test_missing_trace_file_exit_2(tmp_path):
+    code, _, err = run("replay", str(tmp_path / "nope.json"))
+    assert code == 2 and "cannot read" in err
+
+
+@pytest.mark.parametrize("args", [
+    ["fuzz", "--kind", "ring"],
+    ["fuzz", "--policy", "hopeful"],
+    ["fuzz", "--depth", "9"],
+    ["fuzz", "--target", "tpu"],
+    ["frobnicate"],
+    ["fuzz", "--examples", "0"],
+])
+def test_bad_usage_exit_2(args):
+    code, out, err = run(*args)
+    assert code == 2, (out, err)
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unsupported_vllm_version_exit_3(tmp_path):
+    code, out, err = run("replay", str(good_trace(tmp_path)), "--target", "vllm@0.1.0")
+    assert code == 3, (out, err)
+    assert "Traceback" not in err
+
+
+def test_help_on_every_subcommand():
+    for sub in ("fuzz", "replay", "prove", "check"):
+        code, out, _ = run(sub, "--help")
+        assert code == 0 and "example" in out
+
+
+def test_replay_reports_violation_and_timeline(tmp_path):
+    code, out, _ = run("replay", str(good_trace(tmp_path)), "--target", "reference")
+    assert code == 1, out
+    assert "property 1" in out and ">>" in out
+
+
+def test_replay_same_events_settled_holds(tmp_path):
+    code, out, _ = run("replay", str(good_trace(tmp_path, policy="settled")))
+    assert code == 0, out
+    assert "all properties hold" in out
