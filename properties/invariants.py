@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, ne
 
 from model.events import Config, Event
 from model.observations import (
@@ -57,6 +59,9 @@ WITNESSES = {
     "block_reused": "a block handed to a request after another request let it go",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
 }
+
+
+_STATUS = attrgetter("status")
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,8 @@ class Checker:
         self.reqs: dict[str, _Req] = defaultdict(_Req)
         self.holder: dict[tuple[str, int, int], int] = {}  # (rid, group, logical) -> block
         self.refs: Counter[int] = Counter()  # block -> references held
+        self._owned = 0  # blocks with refs > 0, kept in step with self.refs
+        self._any_deferred = False  # some request may have deferred window frees
         self.last_owner: dict[int, str] = {}
         self.witness: Counter[str] = Counter()
         self.event_index = -1
@@ -155,11 +162,17 @@ class Checker:
             elif isinstance(item, FinishObs):
                 self.reqs[item.rid].ended = True
                 self.mark_dead(item.rid)
-        for rid, req in self.reqs.items():
-            if req.deferred and req.p is not None and not self._live_pending(rid):
-                for f in req.deferred:
-                    self._check_window_free(f, req.p)
-                req.deferred.clear()
+        if self._any_deferred:
+            left = False
+            for rid, req in self.reqs.items():
+                if req.deferred:
+                    if req.p is not None and not self._live_pending(rid):
+                        for f in req.deferred:
+                            self._check_window_free(f, req.p)
+                        req.deferred.clear()
+                    else:
+                        left = True
+            self._any_deferred = left
         if obs.counters is not None:
             self._counters(obs)
         return self.violations[before:]
@@ -177,6 +190,20 @@ class Checker:
 
     def _live_pending(self, rid: str) -> list[_Pending]:
         return [pp for step in self.pending for pp in step if pp.rs.rid == rid and not pp.dead]
+
+    def _live_map(self) -> dict[str, list[_Pending]]:
+        """``_live_pending`` for every request at once."""
+        out: dict[str, list[_Pending]] = {}
+        for step in self.pending:
+            for pp in step:
+                if not pp.dead:
+                    rid = pp.rs.rid
+                    lst = out.get(rid)
+                    if lst is None:
+                        out[rid] = [pp]
+                    else:
+                        lst.append(pp)
+        return out
 
     def _may_read(self, rid: str) -> list[tuple[_Pending, int, int]]:
         """Each unprocessed step of ``rid`` (dead ones too: their kernels still
@@ -214,9 +241,10 @@ class Checker:
             self._v(3, f"request {a.rid} was handed the NULL block at logical {a.logical}",
                     rid=a.rid, block=a.block)
             return
-        if self.refs[a.block] > 0 and not a.cached:
+        n = self.refs[a.block]
+        if n > 0 and not a.cached:
             self._v(3, f"block {a.block} handed to {a.rid} (logical {a.logical}) while "
-                       f"still held ({self.refs[a.block]} reference(s))", rid=a.rid, block=a.block)
+                       f"still held ({n} reference(s))", rid=a.rid, block=a.block)
         key = (a.rid, a.group, a.logical)
         if key in self.holder and self.holder[key] != NULL:
             self._v(3, f"{a.rid} logical {a.logical} (group {a.group}) got block {a.block} "
@@ -226,7 +254,9 @@ class Checker:
             self.witness["block_reused"] += 1
         self.last_owner[a.block] = a.rid
         self.holder[key] = a.block
-        self.refs[a.block] += 1
+        self.refs[a.block] = n + 1
+        if n == 0:
+            self._owned += 1
 
     def _free(self, f: FreeObs) -> None:
         key = (f.rid, f.group, f.logical)
@@ -236,24 +266,27 @@ class Checker:
                     rid=f.rid, block=f.block)
             return
         del self.holder[key]
-        self.refs[f.block] -= 1
-        if self.refs[f.block] < 0:
+        n = self.refs[f.block] - 1
+        self.refs[f.block] = n
+        if n == 0:
+            self._owned -= 1
+        if n < 0:
             self._v(3, f"block {f.block} refcount below zero", block=f.block)
         req = self.reqs[f.rid]
         if f.reason == "window":
             req.window_freed += 1
-            if len(self._live_pending(f.rid)) > 0:
+            if self._live_pending(f.rid):
                 self.witness["free_while_in_flight"] += 1
-            if not self._live_pending(f.rid):
+                self._check_window_free(f, req.p)
+            else:
                 # freed while (re)entering a step: judged once the step shows
                 # where the request starts (prefix hit, load, recompute)
                 req.deferred.append(f)
-            else:
-                self._check_window_free(f, req.p)
+                self._any_deferred = True
         else:
             if f.reason == "preempt" and self._live_pending(f.rid):
                 self.witness["preempt_in_flight"] += 1
-            if self.refs[f.block] == 0 and self.cfg.hazard == "unordered":
+            if n == 0 and self.cfg.hazard == "unordered":
                 self._check_returned(f)
 
     def _check_window_free(self, f: FreeObs, p: int) -> None:
@@ -297,9 +330,11 @@ class Checker:
 
     def _step(self, s: StepObs) -> None:
         row = []
+        # nothing below changes self.pending or a part's dead flag
+        live_map = self._live_map()
         for rs in s.reqs:
             req = self.reqs[rs.rid]
-            if not self._live_pending(rs.rid):
+            if rs.rid not in live_map:
                 req.p = rs.start - rs.loaded
                 for f in req.deferred:
                     self._check_window_free(f, req.p)
@@ -379,28 +414,37 @@ class Checker:
 
     def _counters(self, obs: Observed) -> None:
         c = obs.counters
-        owned = sum(1 for b, n in self.refs.items() if n > 0)
+        owned = self._owned
         if c.free_blocks + owned + 1 != c.total_blocks:
             self._v(3, f"pool accounting: free {c.free_blocks} + owned {owned} + NULL 1 != total "
                        f"{c.total_blocks}")
-        live_reqs = [r for r, rc in c.reqs.items() if rc.status != "finished"]
-        if not live_reqs and not self.pending and c.free_blocks != c.total_blocks - 1:
+        # The requests not finished, in the target's order; the filter runs in C
+        # since targets keep finished requests in their counters for good.
+        reqs = c.reqs
+        active = list(compress(reqs.items(),
+                               map(ne, map(_STATUS, reqs.values()), repeat("finished"))))
+        if not active and not self.pending and c.free_blocks != c.total_blocks - 1:
             self._v(3, f"leak: no request is live and nothing is in flight, yet only "
                        f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
         bound = c.bound or self._bound_default
-        for rid, rc in c.reqs.items():
-            if rc.status in ("finished",):
-                continue
-            if rc.status in ("preempted", "waiting"):
+        nbound = len(bound)
+        live_map = None  # rid -> its live unprocessed parts, built once per call
+        for rid, rc in active:
+            status = rc.status
+            if status == "preempted" or status == "waiting":
                 self.mark_dead(rid)
             for gi, n in enumerate(rc.live):
-                if gi < len(bound) and n > bound[gi]:
+                if gi < nbound and n > bound[gi]:
                     self._v(5, f"{rid} holds {n} live blocks in group {gi} "
                                f"({self.cfg.groups[gi].label()}), above the bound {bound[gi]}",
                             rid=rid)
-            if rc.status in ("preempted", "waiting"):
+            if status == "preempted" or status == "waiting":
                 continue
-            live = self._live_pending(rid)
+            # mark_dead above touches only the parts of preempted / waiting
+            # requests, which are never looked up here
+            if live_map is None:
+                live_map = self._live_map()
+            live = live_map.get(rid, [])
             exp_f = sum(pp.rs.end - pp.rs.start for pp in live)
             if rc.in_flight is not None and rc.in_flight != exp_f:
                 self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
