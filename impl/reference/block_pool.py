@@ -1,0 +1,154 @@
+"""The block pool: physical blocks, refcounts, the free queue, the prefix cache.
+
+Mirrors ``vllm/v1/core/block_pool.py`` (``BlockPool``) and the free queue of
+``kv_cache_utils.py`` (``FreeKVCacheBlockQueue``), with plain ints for blocks.
+
+Block 0 is the NULL block: it stands in a block table for a slot whose KV is
+not needed (skipped by a window, or never loaded). It has no refcount and is
+never in the free queue.
+
+The free queue, in eviction order (popped from the left)::
+
+    head                                                         tail
+    [ unhashed blocks (LIFO reuse) ... | hashed blocks (LRU) ... ]
+      ^ prepend_n: freed blocks that       ^ append_n: freed blocks that
+        never match a prefix-cache lookup    may still be hit; evicted last
+
+vLLM keeps one doubly linked list; blocks without a hash are prepended and
+blocks with a hash appended, so the list is always "unhashed, then hashed"
+and two containers give the same order: a deque for the head part and an
+insertion-ordered dict (O(1) removal on a cache hit) for the tail part.
+
+Prefix caching: a full block of prompt positions is keyed by
+``(group, hash of the prompt tokens up to and including that block)``. Every
+request's prompt is the same token stream (:func:`prompt_token`), so two
+requests share their prompts' common block-aligned prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+NULL = 0
+
+
+def prompt_token(t: int) -> int:
+    """The prompt token at position ``t``: the same for every request.
+
+    SEMANTICS.md: prompt tokens are a fixed stream, so prefix caching can hit
+    across requests; generated tokens are arbitrary and never hashed."""
+    return (t * 7919 + 17) % 32000
+
+
+_HASH_CHAINS: dict[int, list[int]] = {}
+
+
+def block_hashes(block_size: int, num_blocks: int) -> list[int]:
+    """Chained hashes of the first ``num_blocks`` full blocks of the prompt stream.
+
+    ``hash[i]`` covers positions ``[0, (i+1)*B)``, like vLLM's ``hash_block_tokens``
+    (parent hash + this block's tokens). Shared by every request (memoized)."""
+    chain = _HASH_CHAINS.setdefault(block_size, [])
+    parent = chain[-1] if chain else 0
+    for i in range(len(chain), num_blocks):
+        tokens = tuple(prompt_token(t) for t in range(i * block_size, (i + 1) * block_size))
+        parent = hash((parent, tokens))
+        chain.append(parent)
+    return chain
+
+
+class BlockPool:
+    """Physical blocks ``0 .. num_blocks-1`` (0 is NULL), refcounts, free queue.
+
+    ``ref[b]``: how many block-table slots (over all requests and groups) hold
+    ``b``, plus request-level frees deferred behind in-flight steps.
+    A block is *free* iff it is in the free queue iff ``ref[b] == 0``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref = [0] * num_blocks
+        # block -> its prefix-cache key (group, hash), or None
+        self.key: list[tuple[int, int] | None] = [None] * num_blocks
+        # key -> blocks cached under it (vLLM does not de-duplicate: two requests
+        # that computed the same block both cache it), first one is returned
+        self.cached: dict[tuple[int, int], dict[int, None]] = {}
+        self._head: deque[int] = deque(range(1, num_blocks))  # unhashed, LIFO
+        self._lru: dict[int, None] = {}  # hashed, least recently used first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._head) + len(self._lru)
+
+    # ------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Pop ``n`` blocks from the head of the free queue (evicting cached ones)."""
+        if n > self.num_free:
+            raise ValueError(f"cannot get {n} free blocks from the pool ({self.num_free} free)")
+        out = []
+        head, lru, ref = self._head, self._lru, self.ref
+        for _ in range(n):
+            if head:
+                b = head.popleft()
+            else:
+                b = next(iter(lru))
+                del lru[b]
+                self._evict(b)
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """A prefix-cache hit: take a reference (and out of the free queue if free)."""
+        ref = self.ref
+        for b in blocks:
+            if b == NULL:
+                continue
+            if ref[b] == 0:
+                del self._lru[b]  # a hit block has a hash, so it sits in the LRU part
+            ref[b] += 1
+
+    def free_blocks(self, ordered: list[int]) -> None:
+        """Drop one reference of each block; ``ordered`` is in eviction priority
+        (first = evicted first). Blocks reaching 0 go back to the free queue."""
+        first, last = [], []
+        ref, key = self.ref, self.key
+        for b in ordered:
+            if b == NULL:
+                continue
+            ref[b] -= 1
+            if ref[b] < 0:
+                raise AssertionError(f"block {b} freed more often than taken")
+            if ref[b] == 0:
+                if key[b] is None or not self.enable_caching:
+                    first.append(b)
+                else:
+                    last.append(b)
+        if first:
+            self._head.extendleft(reversed(first))
+        for b in last:
+            self._lru[b] = None
+
+    # ---------------------------------------------------------- prefix cache
+
+    def get_cached_block(self, k: tuple[int, int]) -> int:
+        blocks = self.cached.get(k)
+        return next(iter(blocks)) if blocks else NULL
+
+    def cache_block(self, b: int, k: tuple[int, int]) -> None:
+        if self.key[b] is not None:
+            return
+        self.key[b] = k
+        self.cached.setdefault(k, {})[b] = None
+
+    def _evict(self, b: int) -> None:
+        k = self.key[b]
+        if k is None:
+            return
+        self.key[b] = None
+        blocks = self.cached[k]
+        del blocks[b]
+        if not blocks:
+            del self.cached[k]

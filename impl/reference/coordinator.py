@@ -1,0 +1,133 @@
+"""The coordinator: several KV-cache groups over one block pool.
+
+Mirrors ``vllm/v1/core/kv_cache_coordinator.py`` (the unitary and the hybrid
+coordinator in one class: one group is the special case). Every group has
+the same block size here, so one token count speaks for all groups.
+
+This is also where manager changes become observations: every block handed
+to a request is an :class:`AllocObs`, every reference a request drops a
+:class:`FreeObs` (emitted when the block goes back to the pool, so a
+request-level free deferred behind in-flight steps is observed when it
+happens), and ``live[rid][g]`` counts the non-NULL slots of the request's
+table in group ``g``.
+"""
+
+from __future__ import annotations
+
+from model.events import Config
+from model.observations import AllocObs, FreeObs, Item
+
+from .block_pool import BlockPool, block_hashes
+from .managers import Change, SingleTypeManager, make_manager
+
+Held = tuple[int, int, int]  # (group, logical slot, physical block)
+
+
+class Coordinator:
+    def __init__(self, config: Config, pool: BlockPool, sink: list[Item]) -> None:
+        self.B = config.block_size
+        self.pool = pool
+        self.sink = sink
+        self.managers: list[SingleTypeManager] = [
+            make_manager(g, i, pool, self.B) for i, g in enumerate(config.groups)
+        ]
+        self.hashes = block_hashes(self.B, config.max_model_len // self.B + 1)
+        self.live: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------ observing
+
+    def _alloc(self, rid: str, gid: int, changes: list[Change], cached: bool) -> None:
+        if not changes:
+            return
+        sink = self.sink
+        for i, b in changes:
+            sink.append(AllocObs(b, gid, rid, i, cached))
+        self.live[rid][gid] += len(changes)
+
+    def release(self, rid: str, held: list[Held], reason: str) -> None:
+        """Return blocks a request let go of to the pool, ``held`` in eviction order
+        (already out of its tables: see :meth:`pop_for_free`, :meth:`truncate`)."""
+        if not held:
+            return
+        sink = self.sink
+        for g, i, b in held:
+            sink.append(FreeObs(b, g, rid, i, reason))
+        self.pool.free_blocks([b for _, _, b in held])
+
+    def _unlink(self, rid: str, groups: list[list[Held]]) -> list[list[Held]]:
+        live = self.live.get(rid)
+        if live is not None:
+            for g, held in enumerate(groups):
+                live[g] -= len(held)
+        return groups
+
+    # ---------------------------------------------------------- per request
+
+    def tables(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(m.tables.get(rid, ())) for m in self.managers)
+
+    def remove_skipped_blocks(self, rid: str, bases: list[int]) -> None:
+        """Free, per group, the slots wholly before the window of ``bases[g]``."""
+        sink = self.sink
+        for m, n in zip(self.managers, bases, strict=True):
+            freed = m.remove_skipped_blocks(rid, n)
+            if freed:
+                for i, b in freed:
+                    sink.append(FreeObs(b, m.gid, rid, i, "window"))
+                self.live[rid][m.gid] -= len(freed)
+
+    def get_num_blocks_to_allocate(self, rid: str, num_tokens: int) -> int:
+        return sum(m.get_num_blocks_to_allocate(rid, num_tokens) for m in self.managers)
+
+    def allocate_new_blocks(self, rid: str, num_tokens: int) -> None:
+        for m in self.managers:
+            self._alloc(rid, m.gid, m.allocate_new_blocks(rid, num_tokens), False)
+
+    def cache_blocks(self, rid: str, num_tokens: int) -> None:
+        for m in self.managers:
+            m.cache_blocks(rid, num_tokens, self.hashes)
+
+    def pop_for_free(self, rid: str) -> list[list[Held]]:
+        """Forget the request's tables; per group its held slots in table order,
+        to :meth:`release` now or once the steps that read them are processed."""
+        return self._unlink(rid, [[(m.gid, i, b) for i, b in m.pop_blocks_for_free(rid)]
+                                  for m in self.managers])
+
+    def truncate(self, rid: str, keep: int) -> list[list[Held]]:
+        """Cut the request's tables to ``keep`` slots; the dropped held slots as above."""
+        return self._unlink(rid, [[(m.gid, i, b) for i, b in m.truncate(rid, keep)]
+                                  for m in self.managers])
+
+    def window_present(self, rid: str, n: int) -> bool:
+        return all(m.window_present(rid, n) for m in self.managers)
+
+    # ------------------------------------------------------ first allocation
+
+    def find_longest_cache_hit(self, max_len: int) -> tuple[list[list[int]], int]:
+        """The longest prefix every group can resume from, at most ``max_len``.
+
+        Fixed point as in vLLM's hybrid coordinator: each group accepts the
+        candidate length or lowers it; repeat until no group lowers it."""
+        hit = max_len
+        while True:
+            lowest = hit
+            for m in self.managers:
+                lowest = min(lowest, m.find_longest_cache_hit(lowest, self.hashes)[1])
+            if lowest == hit:
+                break
+            hit = lowest
+        return [m.find_longest_cache_hit(hit, self.hashes)[0] for m in self.managers], hit
+
+    def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int) -> int:
+        return sum(m.admission_cost(h, computed, num_tokens)
+                   for m, h in zip(self.managers, hits, strict=True))
+
+    def admit(self, rid: str, hits: list[list[int]], computed: int, num_tokens: int) -> None:
+        """First allocation of a request: every group's hit blocks are taken
+        before any group allocates (vLLM's two-phase allocation, issue
+        #33775: a new block must not evict another group's hit), then slots
+        up to ``num_tokens`` (loaded and computed positions alike)."""
+        self.live.setdefault(rid, [0] * len(self.managers))
+        for m, h in zip(self.managers, hits, strict=True):
+            self._alloc(rid, m.gid, m.add_computed_blocks(rid, h, computed), True)
+        self.allocate_new_blocks(rid, num_tokens)

@@ -1,0 +1,297 @@
+"""One manager per attention kind: the block tables of one KV-cache group.
+
+Mirrors ``vllm/v1/core/single_type_kv_cache_manager.py``. A manager keeps, per
+request, the block table of its group (logical slot ``i`` holds positions
+``[i*B, (i+1)*B)``; ``NULL`` = 0 for a slot whose KV is not needed) and
+implements, for its kind:
+
+* ``get_num_skipped_tokens(n)``: how many leading tokens the next position
+  no longer reads when ``n`` are computed (cross-checked against
+  ``model.windows.skipped`` in the tests);
+* ``find_longest_cache_hit(max_len)``: the prefix-cache hit, NULL where the
+  kind does not need the block.
+
+The shared machinery (free the skipped prefix, allocate slots, admit a
+request with its prefix hit, cache full prompt blocks, pop a request's
+blocks) lives in the base class, as in vLLM. Managers return what changed as
+``(logical, block)`` pairs; the coordinator turns them into observations.
+"""
+
+from __future__ import annotations
+
+from model.events import Group
+
+from .block_pool import NULL, BlockPool
+
+Change = tuple[int, int]  # (logical slot, physical block)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeManager:
+    """Block tables of one group; the kind-specific parts are overridden."""
+
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+        self.group = group
+        self.gid = gid
+        self.pool = pool
+        self.B = block_size
+        self.tables: dict[str, list[int]] = {}
+        # leading slots already offered to the prefix cache (vLLM's num_cached_block)
+        self.num_cached: dict[str, int] = {}
+
+    # --------------------------------------------------------- kind-specific
+
+    def get_num_skipped_tokens(self, n: int) -> int:
+        return 0
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- frees
+
+    def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:
+        """Replace the slots wholly before ``skipped(basis)`` by NULL and free them.
+
+        Walks backward from the last skipped slot and stops at the first NULL
+        (the skipped slots of earlier calls), like vLLM's
+        ``_remove_blocks_in_range``. Returns the freed ``(logical, block)``
+        in the order they go back to the pool."""
+        n_skip = self.get_num_skipped_tokens(basis) // self.B
+        table = self.tables.get(rid)
+        if n_skip <= 0 or not table:
+            return []
+        freed: list[Change] = []
+        for i in range(min(n_skip, len(table)) - 1, -1, -1):
+            b = table[i]
+            if b == NULL:
+                break
+            freed.append((i, b))
+            table[i] = NULL
+        if freed:
+            self.pool.free_blocks([b for _, b in freed])
+        return freed
+
+    def pop_blocks_for_free(self, rid: str) -> list[Change]:
+        """Forget the request's table; return its non-NULL slots in table order.
+        The caller returns them to the pool (tail first) now or later."""
+        table = self.tables.pop(rid, None)
+        self.num_cached.pop(rid, None)
+        if not table:
+            return []
+        return [(i, b) for i, b in enumerate(table) if b != NULL]
+
+    def truncate(self, rid: str, keep: int) -> list[Change]:
+        """Cut the table to its first ``keep`` slots (a failed load); return the
+        dropped non-NULL slots in table order (not yet back in the pool)."""
+        table = self.tables.get(rid)
+        if table is None or len(table) <= keep:
+            return []
+        dropped = [(i, b) for i, b in enumerate(table[keep:], keep) if b != NULL]
+        del table[keep:]
+        if self.num_cached.get(rid, 0) > keep:
+            self.num_cached[rid] = keep
+        return dropped
+
+    # ------------------------------------------------------------ allocation
+
+    def get_num_blocks_to_allocate(self, rid: str, num_tokens: int) -> int:
+        """New blocks a running request needs to hold slots for ``num_tokens``.
+        (After a rejection the table can be longer than needed: 0 then.)"""
+        return max(0, cdiv(num_tokens, self.B) - len(self.tables.get(rid, ())))
+
+    def allocate_new_blocks(self, rid: str, num_tokens: int) -> list[Change]:
+        table = self.tables.setdefault(rid, [])
+        n = cdiv(num_tokens, self.B) - len(table)
+        if n <= 0:
+            return []
+        first = len(table)
+        new = self.pool.get_new_blocks(n)
+        table.extend(new)
+        return list(enumerate(new, first))
+
+    def admission_cost(self, hit: list[int], computed: int, num_tokens: int) -> int:
+        """Blocks a first-time allocation takes from the free queue: evictable
+        hit blocks (free but cached) plus new blocks. ``computed`` = local hit
+        plus external tokens; the slots it skips are padded with NULL."""
+        pad = self.get_num_skipped_tokens(computed) // self.B
+        ref = self.pool.ref
+        evictable = sum(1 for b in hit[pad:] if b != NULL and ref[b] == 0)
+        return max(0, cdiv(num_tokens, self.B) - max(pad, len(hit))) + evictable
+
+    def add_computed_blocks(self, rid: str, hit: list[int], computed: int) -> list[Change]:
+        """First-time allocation, phase 1: NULL-pad the slots skipped at
+        ``computed`` and take the prefix-hit blocks after them. Returns the hit
+        slots taken (touched)."""
+        pad = self.get_num_skipped_tokens(computed) // self.B
+        kept = [b for b in hit[pad:] if b != NULL]
+        assert len(kept) == len(hit[pad:]), "a hit's NULL slots are a prefix"
+        self.pool.touch(kept)
+        table = [NULL] * pad + kept
+        self.tables[rid] = table
+        self.num_cached[rid] = len(table)
+        return list(enumerate(kept, pad))
+
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
+        """Offer the full blocks among the first ``num_tokens`` positions to the
+        prefix cache (``num_tokens`` is already capped to the prompt)."""
+        n_full = num_tokens // self.B
+        done = self.num_cached.get(rid, 0)
+        if n_full <= done:
+            return
+        table = self.tables[rid]
+        pool, gid = self.pool, self.gid
+        for i in range(done, min(n_full, len(table))):
+            b = table[i]
+            if b != NULL:
+                pool.cache_block(b, (gid, hashes[i]))
+        self.num_cached[rid] = n_full
+
+    def window_present(self, rid: str, n: int) -> bool:
+        """Whether every slot position ``n`` reads below slot ``n // B`` is held
+        (not NULL): ``n`` is a safe point to recompute from."""
+        table = self.tables.get(rid, [])
+        hi = n // self.B
+        lo = self.get_num_skipped_tokens(n) // self.B
+        if hi > len(table):
+            return False
+        return all(table[i] != NULL for i in range(lo, hi))
+
+
+class FullAttentionManager(SingleTypeManager):
+    """full: every position reads all earlier ones; nothing is ever skipped::
+
+        t = 9            [ 0  1  2  3  4  5  6  7  8  9 ]
+                         |------------ read -----------|
+
+    Prefix hit: the longest run of cached blocks from block 0 (chained
+    hashes: a miss ends the run)."""
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        out: list[int] = []
+        get, gid = self.pool.get_cached_block, self.gid
+        for i in range(max_len // self.B):
+            b = get((gid, hashes[i]))
+            if b == NULL:
+                break
+            out.append(b)
+        return out, len(out) * self.B
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """sliding(W): position ``t`` reads ``[t-W+1, t]``.
+
+    Example: W = 4, 7 tokens computed, next position 7::
+
+        Tokens:   [ 0  1  2  3  4  5  6  7 ]
+                  | ---- computed -----|
+                                         ^ next token to be computed
+                              |-----------|  sliding window for next token
+                  |--skipped---|
+
+    ``get_num_skipped_tokens(7) == 4``: slots wholly inside ``[0, 4)`` become NULL.
+
+    Prefix hit: scan right to left for ``cdiv(W-1, B)`` contiguous cached
+    blocks (the window of the first recomputed token); slots before them are
+    NULL. A shorter run that reaches block 0 is a hit too."""
+
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+        super().__init__(group, gid, pool, block_size)
+        self.window = group.param
+
+    def get_num_skipped_tokens(self, n: int) -> int:
+        return max(0, n - self.window + 1)
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        need = cdiv(self.window - 1, self.B)
+        n = max_len // self.B
+        get, gid = self.pool.get_cached_block, self.gid
+        found: list[int] = []  # the current run, right to left
+        for i in range(n - 1, -1, -1):
+            b = get((gid, hashes[i]))
+            if b == NULL:
+                found = []
+                continue
+            found.append(b)
+            if len(found) >= need:
+                run = found[::-1]
+                return [NULL] * i + run, (i + len(run)) * self.B
+        run = found[::-1]  # contiguous from block 0 (or empty)
+        return run, len(run) * self.B
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """chunked_local(C): position ``t`` reads ``[floor(t/C)*C, t]``.
+
+    Example: C = 8, 13 tokens computed, next position 13::
+
+        Tokens:  [ 0 1 2 3 4 5 6 7 | 8 9 10 11 12 13 14 15 ] ...
+                 | ----- computed ---------------|
+                                                  ^^ next token to be computed
+                                   |----------------| window of the next token
+                 |--- skipped -----|
+
+    ``get_num_skipped_tokens(13) == 8``; at 16 computed, all 16 are skipped.
+
+    Prefix hit: slots before the chunk of ``max_len`` are NULL (no lookup
+    needed: nothing reads them), then cached blocks from the chunk start."""
+
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+        super().__init__(group, gid, pool, block_size)
+        self.chunk = group.param
+
+    def get_num_skipped_tokens(self, n: int) -> int:
+        return (n // self.chunk) * self.chunk
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        start_block = ((max_len // self.chunk) * self.chunk) // self.B
+        out = [NULL] * start_block
+        get, gid = self.pool.get_cached_block, self.gid
+        for i in range(start_block, max_len // self.B):
+            b = get((gid, hashes[i]))
+            if b == NULL:
+                break
+            out.append(b)
+        return out, len(out) * self.B
+
+
+class MambaManager(SingleTypeManager):
+    """mamba: the recurrent state after the last computed token is all the next
+    token needs; ``get_num_skipped_tokens(n) = n - 1`` as in vLLM.
+
+    Assumption (model/windows.py): the state after position ``t`` lives in the
+    slot of ``t``, so a slot is needed while it holds the state of the last
+    computed token, i.e. position ``t`` reads slots of ``[t-1, t]``::
+
+        n = 7 computed    [ 0  1  2  3  4  5  6 | 7 ]
+                                            |-read-|     skipped = 6
+
+    A full slot therefore holds the state after its last position, which is
+    what a prefix hit resumes from: the hit is the right-most cached block,
+    with NULL before it. Slots are allocated like attention slots
+    (``cdiv(tokens, B)``), and only the trailing ones stay live."""
+
+    def get_num_skipped_tokens(self, n: int) -> int:
+        return max(0, n - 1)
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        get, gid = self.pool.get_cached_block, self.gid
+        for i in range(max_len // self.B - 1, -1, -1):
+            b = get((gid, hashes[i]))
+            if b != NULL:
+                return [NULL] * i + [b], (i + 1) * self.B
+        return [], 0
+
+
+MANAGERS: dict[str, type[SingleTypeManager]] = {
+    "full": FullAttentionManager,
+    "sliding": SlidingWindowManager,
+    "chunked_local": ChunkedLocalManager,
+    "mamba": MambaManager,
+}
+
+
+def make_manager(group: Group, gid: int, pool: BlockPool, block_size: int) -> SingleTypeManager:
+    return MANAGERS[group.kind](group, gid, pool, block_size)

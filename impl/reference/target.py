@@ -1,0 +1,149 @@
+"""``ReferenceTarget``: the reference manager behind the Target protocol.
+
+Checks each event's preconditions (``docs/SEMANTICS.md``), runs it on the
+scheduler, and hands back what happened (the items the scheduler, the
+coordinator and the managers appended, in order) plus a counters snapshot.
+"""
+
+from __future__ import annotations
+
+from impl.target import Capabilities, Unsupported
+from model.events import (
+    Abort,
+    AddRequest,
+    Config,
+    Event,
+    FailLoad,
+    Finish,
+    Preempt,
+    Process,
+    Schedule,
+    TraceError,
+)
+from model.observations import Counters, Observed, ReqCounters
+
+from .scheduler import Scheduler
+
+
+class ReferenceTarget:
+    name = "reference"
+    capabilities = Capabilities(
+        notes=(
+            "every registered policy, by name, as the freeing basis of every group",
+            "hazard=unordered defers request-level frees until the request's "
+            "last scheduled step is processed",
+            "a failed load recomputes from the first bad block, or from further back "
+            "where that position's window reaches slots the request does not hold",
+        ),
+    )
+
+    def __init__(self) -> None:
+        self._s: Scheduler | None = None
+        self._reqs: dict[str, ReqCounters] = {}
+
+    # -------------------------------------------------------------- protocol
+
+    def reset(self, config: Config) -> Observed:
+        try:
+            config.validate()
+        except TraceError as e:
+            raise Unsupported(str(e)) from None
+        self._s = Scheduler(config)
+        self._reqs = {}
+        return Observed([], self._counters())
+
+    def can_apply(self, event: Event) -> bool:
+        return self._why_not(event) is None
+
+    def apply(self, event: Event) -> Observed:
+        why = self._why_not(event)
+        if why is not None:
+            raise ValueError(f"{type(event).__name__}: {why}")
+        s = self._s
+        assert s is not None
+        if isinstance(event, Schedule):
+            s.schedule()
+        elif isinstance(event, Process):
+            s.process(event.accepted)
+        elif isinstance(event, AddRequest):
+            s.add_request(event.id, event.prompt_len, event.max_new_tokens, event.external_tokens)
+        elif isinstance(event, Preempt):
+            s.preempt(event.id)
+        elif isinstance(event, FailLoad):
+            s.fail_load(event.id, event.first_bad_block)
+        elif isinstance(event, Finish):
+            s.finish(event.id, "finish")
+        else:
+            s.finish(event.id, "abort")
+        items = list(s.sink)
+        s.sink.clear()
+        return Observed(items, self._counters())
+
+    # --------------------------------------------------------- preconditions
+
+    def _why_not(self, ev: Event) -> str | None:
+        s = self._s
+        if s is None:
+            return "reset(config) first"
+        cfg = s.cfg
+        if isinstance(ev, Schedule):
+            if len(s.steps) >= cfg.depth:
+                return f"{len(s.steps)} steps in flight already (depth {cfg.depth})"
+            return None
+        if isinstance(ev, Process):
+            if not s.steps:
+                return "no step in flight"
+            drafts = {e.rid: e.spec for e in s.steps[0].entries}
+            for rid, a in ev.accepted.items():
+                k = drafts.get(rid, 0)
+                if not isinstance(a, int) or a < 0 or a > k:
+                    return f"accepted[{rid!r}] = {a!r}, but step {s.steps[0].idx} has {k} drafts"
+            return None
+        if isinstance(ev, AddRequest):
+            if not isinstance(ev.id, str) or not ev.id:
+                return "the id must be a non-empty string"
+            if ev.id in s.requests:
+                return f"request {ev.id!r} exists already"
+            if ev.prompt_len < 1 or ev.max_new_tokens < 1:
+                return "prompt_len and max_new_tokens must be >= 1"
+            if not 0 <= ev.external_tokens < ev.prompt_len:
+                return "external_tokens must be in [0, prompt_len)"
+            if ev.prompt_len + ev.max_new_tokens > cfg.max_model_len:
+                return f"prompt_len + max_new_tokens exceeds max_model_len {cfg.max_model_len}"
+            return None
+        r = s.requests.get(getattr(ev, "id", None))
+        if r is None:
+            return f"no request {getattr(ev, 'id', None)!r}"
+        if r.status == "finished":
+            return f"request {r.rid!r} has finished"
+        if isinstance(ev, (Finish, Abort)):
+            return None
+        if isinstance(ev, Preempt):
+            live = s.coord.live.get(r.rid)
+            if r.status != "running" or not live or not any(live):
+                return f"request {r.rid!r} holds no blocks"
+            return None
+        if isinstance(ev, FailLoad):
+            e = s._loading_entry(r)
+            if e is None:
+                return f"request {r.rid!r} has no load in flight"
+            lo, hi = e.start - e.loaded, e.start
+            if not lo <= ev.first_bad_block * cfg.block_size < hi:
+                return (f"block {ev.first_bad_block} starts at position "
+                        f"{ev.first_bad_block * cfg.block_size}, outside the loaded [{lo}, {hi})")
+            return None
+        return f"unknown event {ev!r}"
+
+    # --------------------------------------------------------------- counters
+
+    def _counters(self) -> Counters:
+        """Counters of every request added so far; only the requests an event can
+        change (running, waiting, just finished) are rebuilt."""
+        s = self._s
+        assert s is not None
+        reqs = self._reqs
+        for group in (s.running, s.waiting, s.just_finished):
+            for r in group:
+                reqs[r.rid] = s.req_counters(r)
+        s.just_finished.clear()
+        return Counters(s.pool.num_free, s.cfg.num_blocks, dict(reqs), s.bound)

@@ -1,0 +1,527 @@
+"""Tests of the reference manager (impl/reference).
+
+Besides the named scenarios, a small random driver feeds valid events (by
+``can_apply``) and a tiny observation-only checker verifies what the reference
+must guarantee under the settled policy: no window free inside the window of
+the settled count, no step (shifted by rejections) reading a NULL slot, no
+request-level free read by an unprocessed step under hazard=unordered, pool
+accounting, in-flight accounting, the live-block bound.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from impl.reference import ReferenceTarget, prompt_token
+from impl.reference.block_pool import BlockPool
+from impl.reference.managers import MANAGERS
+from impl.target import Unsupported
+from model.events import (
+    Abort,
+    AddRequest,
+    Config,
+    FailLoad,
+    Finish,
+    Group,
+    Preempt,
+    Process,
+    Schedule,
+    config_for,
+)
+from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
+from model.windows import read_blocks, skipped
+
+KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
+
+
+def run(cfg: Config, events):
+    t = ReferenceTarget()
+    obs = [t.reset(cfg)]
+    for ev in events:
+        obs.append(t.apply(ev))
+    return t, obs
+
+
+def items(obs, cls=None):
+    out = [i for o in obs for i in o.items]
+    return [i for i in out if cls is None or isinstance(i, cls)]
+
+
+# ------------------------------------------------------------------ managers
+
+
+@pytest.mark.parametrize("group", [Group("full"), Group("sliding", 1), Group("sliding", 16),
+                                   Group("sliding", 37), Group("chunked_local", 32),
+                                   Group("chunked_local", 16), Group("mamba")])
+def test_skipped_tokens_match_model_windows(group):
+    m = MANAGERS[group.kind](group, 0, BlockPool(4, False), 16)
+    for n in range(0, 300):
+        assert m.get_num_skipped_tokens(n) == skipped(group, n), n
+
+
+def test_prompt_token_is_shared_and_exported():
+    assert [prompt_token(t) for t in range(5)] == [prompt_token(t) for t in range(5)]
+    assert len({prompt_token(t) for t in range(64)}) > 1
+
+
+# ------------------------------------------------- the optimistic free hazard
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked_local"])
+def test_optimistic_frees_blocks_an_in_flight_step_reads(kind):
+    """Step 0 computes [0, 64); the next Schedule frees on c = 64 under
+    optimistic, i.e. blocks step 0 still reads; settled frees nothing."""
+    evs = [AddRequest("r0", 100, 8), Schedule(), Schedule()]
+    for policy in ("optimistic", "settled"):
+        cfg = config_for(kind, window=16, chunk=32, block_size=16, depth=2, policy=policy,
+                         max_num_batched_tokens=64)
+        _, obs = run(cfg, evs)
+        step0 = obs[2].items[-1]
+        assert isinstance(step0, StepObs) and step0.reqs[0].start == 0
+        assert step0.reqs[0].end == 64
+        g = cfg.groups[0]
+        read = {step0.reqs[0].tables[0][s] for s in read_blocks(g, 0, 64, 16)}
+        frees = [i for i in obs[3].items if isinstance(i, FreeObs)]
+        if policy == "optimistic":
+            assert frees and all(f.reason == "window" for f in frees)
+            assert {f.block for f in frees} <= read
+            # the frees come before the step they were made for
+            kinds = [type(i) for i in obs[3].items]
+            assert kinds.index(StepObs) > max(i for i, k in enumerate(kinds) if k is FreeObs)
+        else:
+            assert frees == []
+
+
+def test_rejection_shifts_a_later_step_onto_a_null_slot_under_optimistic():
+    """spec=2, depth 2, sliding(W=16), B=16. After the prompt, step 1 decodes
+    [28, 31) (2 drafts); step 2 is scheduled on c = 31 and, optimistic, frees
+    slot 0 (positions < 16). Step 1's drafts are rejected: step 2 shifts down
+    by 2 to [29, 32), and position 29 reads [14, 29]: slot 0, now NULL."""
+    events = [AddRequest("r0", 28, 20), Schedule(), Process(), Schedule(), Schedule(),
+              Process({"r0": 0})]
+    B = 16
+    for policy, expect in (("optimistic", True), ("settled", False)):
+        cfg = config_for("sliding", window=16, block_size=B, depth=2, spec_tokens=2,
+                         policy=policy)
+        _, obs = run(cfg, events)
+        step2 = obs[5].items[-1]
+        assert isinstance(step2, StepObs) and step2.step == 2
+        req = step2.reqs[0]
+        assert (req.start, req.end, req.spec) == (31, 34, 2)
+        proc = obs[6].items[0]
+        assert isinstance(proc, ProcessObs) and proc.accepted == (("r0", 0),)
+        shift = 2
+        table = req.tables[0]
+        slots = read_blocks(cfg.groups[0], req.start - shift, req.end - shift, B)
+        reads_null = any(s >= len(table) or table[s] == NULL for s in slots)
+        assert reads_null is expect, (policy, table, list(slots))
+        assert obs[6].counters.reqs["r0"].computed == 32
+
+
+# ------------------------------------------------------------- random driver
+
+
+def random_config(rng: random.Random, **over) -> Config:
+    kind = rng.choice(KINDS + ("sliding+mamba",))
+    kw = dict(
+        block_size=rng.choice([4, 8, 16]),
+        num_blocks=rng.choice([12, 24, 64]),
+        max_num_batched_tokens=rng.choice([8, 24, 64]),
+        max_num_seqs=rng.choice([2, 4]),
+        max_model_len=128,
+        spec_tokens=rng.choice([0, 0, 1, 2]),
+        depth=rng.choice([1, 2, 3, 4]),
+        policy=rng.choice(["settled", "optimistic", "mamba-local"]),
+        hazard=rng.choice(["ordered", "unordered"]),
+        prefix_caching=rng.random() < 0.5,
+    )
+    kw.update(over)
+    B = kw["block_size"]
+    if kind == "sliding+mamba":
+        return Config(groups=(Group("sliding", rng.choice([B, 2 * B + 3])), Group("mamba")), **kw)
+    return config_for(kind, window=rng.choice([B, B + 1, 3 * B - 2]), chunk=2 * B, **kw)
+
+
+class Driver:
+    """Feeds random valid events to a target and mirrors what it observed."""
+
+    def __init__(self, rng: random.Random, cfg: Config, target=None):
+        self.rng, self.cfg = rng, cfg
+        self.t = target or ReferenceTarget()
+        self.obs = [self.t.reset(cfg)]
+        self.events: list = []
+        self.steps: dict[int, dict] = {}  # unprocessed step -> {rid: ReqStep}
+        self.n = 0
+
+    def candidates(self):
+        rng, B = self.rng, self.cfg.block_size
+        reqs = self.obs[-1].counters.reqs
+        live = [r for r, c in reqs.items() if c.status != "finished"]
+        p = rng.randint(1, 70)
+        evs = [AddRequest(f"r{self.n}", p, rng.randint(1, 40),
+                          rng.choice([0, 0, rng.randint(0, p - 1)]))]
+        evs += [Schedule()] * 4
+        if self.steps:
+            oldest = self.steps[min(self.steps)]
+            acc = {rid: rng.randint(0, r.spec) for rid, r in oldest.items()
+                   if r.spec and rng.random() < 0.7}
+            evs += [Process(acc)] * 4
+            for st in self.steps.values():
+                for r in st.values():
+                    if r.loaded:
+                        lo = r.start - r.loaded
+                        evs.append(FailLoad(r.rid, rng.randint(-(-lo // B), (r.start - 1) // B)))
+        if live:
+            rid = rng.choice(live)
+            evs += [Preempt(rid), rng.choice([Finish(rid), Abort(rid)])]
+        return evs
+
+    def step(self):
+        ev = self.rng.choice(self.candidates())
+        if not self.t.can_apply(ev):
+            return None
+        return self.apply(ev)
+
+    def apply(self, ev):
+        if isinstance(ev, AddRequest):
+            self.n += 1
+        o = self.t.apply(ev)
+        self.events.append(ev)
+        self.obs.append(o)
+        for i in o.items:
+            if isinstance(i, StepObs):
+                self.steps[i.step] = {r.rid: r for r in i.reqs}
+            elif isinstance(i, ProcessObs):
+                del self.steps[i.step]
+        return o
+
+    def drain(self):
+        """End every request, process every step: the pool must be whole again."""
+        for rid, c in list(self.obs[-1].counters.reqs.items()):
+            if c.status != "finished":
+                self.apply(Abort(rid))
+        while self.steps:
+            self.apply(Process())
+
+
+def random_run(seed: int, n_events: int = 120, **over) -> Driver:
+    rng = random.Random(seed)
+    d = Driver(rng, random_config(rng, **over))
+    for _ in range(n_events):
+        d.step()
+    return d
+
+
+# ------------------------------------------------------------- sync unchanged
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_depth1_every_policy_observes_the_same(chunk):
+    for seed in range(chunk * 50, chunk * 50 + 50):
+        d = random_run(seed, depth=1, policy="optimistic")
+        for policy in ("settled", "mamba-local"):
+            cfg = Config(**{**d.cfg.__dict__, "policy": policy})
+            _, obs = run(cfg, d.events)
+            assert obs == d.obs, f"seed {seed}: {policy} differs from optimistic at depth 1"
+
+
+# ----------------------------------------------------------- the checker
+
+
+class Checker:
+    """What the reference guarantees, read from observations only (the
+    properties layer does this for real; this is the reference's own guard)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.B = cfg.block_size
+        self.steps: dict[int, list] = {}  # unprocessed step -> [[ReqStep, shift], ...]
+        self.refs: Counter = Counter()  # block -> references handed out, not dropped
+        self.counters = None
+
+    def lowest_shift(self, rid, step):
+        """How far ``rid``'s share of ``step`` may shift down: the drafts of its
+        earlier unprocessed steps, all rejected, plus the shift so far."""
+        return sum(e[0].spec for s, es in self.steps.items() if s < step
+                   for e in es if e[0].rid == rid)
+
+    def null_reads(self, req, shift):
+        out = []
+        for g, table in zip(self.cfg.groups, req.tables, strict=True):
+            for s in read_blocks(g, req.start - shift, req.end - shift, self.B):
+                if s >= len(table) or table[s] == NULL:
+                    out.append((g.kind, s))
+        return out
+
+    def check(self, o, strict: bool) -> list[str]:
+        bad: list[str] = []
+        cfg, B = self.cfg, self.B
+        prev = self.counters
+        for i in o.items:
+            if isinstance(i, AllocObs):
+                assert i.block != NULL
+                self.refs[i.block] += 1
+            elif isinstance(i, FreeObs):
+                self.refs[i.block] -= 1
+                assert self.refs[i.block] >= 0, f"double free of block {i.block}"
+                g = cfg.groups[i.group]
+                if i.reason == "window":
+                    c = prev.reqs[i.rid]
+                    loading = sum(e[0].loaded for es in self.steps.values() for e in es
+                                  if e[0].rid == i.rid)
+                    p = c.computed - c.in_flight - loading
+                    if (i.logical + 1) * B > skipped(g, p):
+                        bad.append(f"window free of {i.rid} slot {i.logical} ({g.kind}) "
+                                   f"above skipped(p={p})")
+                elif cfg.hazard == "unordered" and self.refs[i.block] == 0:
+                    for s, es in self.steps.items():
+                        for req, shift in es:
+                            low = max(0, req.start - shift - self.lowest_shift(req.rid, s))
+                            slots = read_blocks(g, low, req.end - shift, B)
+                            if any(req.tables[i.group][x] == i.block for x in slots
+                                   if x < len(req.tables[i.group])):
+                                bad.append(f"{i.reason} free of block {i.block} "
+                                           f"read by step {s}")
+            elif isinstance(i, StepObs):
+                self.steps[i.step] = [[r, 0] for r in i.reqs]
+                for r in i.reqs:
+                    if self.null_reads(r, 0):
+                        bad.append(f"step {i.step} {r.rid} reads NULL {self.null_reads(r, 0)}")
+            elif isinstance(i, ProcessObs):
+                drafts = {e[0].rid: e[0].spec for e in self.steps.pop(i.step)}
+                for rid, a in i.accepted:
+                    rej = drafts[rid] - a
+                    if not rej:
+                        continue
+                    for s, es in self.steps.items():
+                        for e in es:
+                            if e[0].rid == rid:
+                                e[1] += rej
+                                if self.null_reads(e[0], e[1]):
+                                    bad.append(f"step {s} {rid} shifted by {e[1]} reads NULL")
+        c = o.counters
+        owned = sum(1 for n in self.refs.values() if n > 0)
+        assert c.free_blocks + owned + 1 == c.total_blocks, (c.free_blocks, owned)
+        for rid, rc in c.reqs.items():
+            assert rc.in_flight >= 0 and all(x >= 0 for x in rc.live)
+            if strict:
+                for g, (n, bound) in enumerate(zip(rc.live, c.bound, strict=True)):
+                    if n > bound:
+                        bad.append(f"{rid} holds {n} blocks in group {g}, bound {bound}")
+        if not self.steps:
+            assert all(rc.in_flight == 0 for rc in c.reqs.values())
+        self.counters = c
+        if strict:
+            assert not bad, bad
+        return bad
+
+
+def checked_run(seed: int, n_events: int, strict: bool, **over):
+    rng = random.Random(seed)
+    cfg = random_config(rng, **over)
+    d = Driver(rng, cfg)
+    ch = Checker(cfg)
+    ch.counters = d.obs[0].counters
+    bad = []
+    for _ in range(n_events):
+        o = d.step()
+        if o is not None:
+            bad += ch.check(o, strict)
+    return d, ch, bad
+
+
+def test_settled_reference_keeps_the_invariants():
+    """Random runs under settled: nothing the checker can see goes wrong, and
+    every block is back once every request ended."""
+    for seed in range(300):
+        d, ch, _ = checked_run(seed, 150, strict=True, policy="settled")
+        n = len(d.obs)
+        d.drain()
+        for o in d.obs[n:]:
+            ch.check(o, strict=True)
+        c = d.obs[-1].counters
+        assert c.free_blocks == c.total_blocks - 1, f"seed {seed}: leak"
+        assert all(r.status == "finished" and not any(r.live) for r in c.reqs.values())
+
+
+def test_optimistic_is_caught_by_the_same_checker():
+    """The checker is not vacuous: it finds the optimistic policy's hazards."""
+    found = Counter()
+    for seed in range(300):
+        rng = random.Random(seed)
+        _, _, bad = checked_run(seed, 150, strict=False, policy="optimistic",
+                                depth=rng.choice([2, 3]))
+        for msg in bad:
+            found[" ".join(msg.split()[:2])] += 1
+    assert found["window free"] > 0, found
+    assert any("shifted" in k or "reads" in k for k in found) or found, found
+
+
+# ----------------------------------------------------------- named scenarios
+
+
+def test_pool_accounting_after_every_event_and_no_leak():
+    for seed in range(200):
+        d = random_run(seed, 100)
+        ch = Checker(d.cfg)
+        ch.counters = d.obs[0].counters
+        for o in d.obs[1:]:
+            ch.check(o, strict=False)
+        n = len(d.obs)
+        d.drain()
+        for o in d.obs[n:]:
+            ch.check(o, strict=False)
+        c = d.obs[-1].counters
+        assert c.free_blocks == c.total_blocks - 1
+        assert all(v == 0 for v in ch.refs.values())
+
+
+def test_preemption_under_pool_pressure():
+    """Two requests and a pool too small for both: the later one is preempted,
+    recomputes, and both finish with every block back."""
+    cfg = config_for("full", block_size=4, num_blocks=10, max_num_batched_tokens=64, depth=2,
+                     policy="settled")
+    d = Driver(random.Random(0), cfg)
+    d.apply(AddRequest("a", 12, 8))
+    d.apply(AddRequest("b", 12, 8))
+    for _ in range(200):
+        if d.t.can_apply(Schedule()) and any(isinstance(i, StepObs)
+                                             for i in d.apply(Schedule()).items):
+            continue
+        if not d.steps:
+            break
+        d.apply(Process())
+    frees = items(d.obs, FreeObs)
+    assert any(f.reason == "preempt" and f.rid == "b" for f in frees)
+    assert [f.reason for f in items(d.obs, FinishObs)] == ["length", "length"]
+    # b was scheduled from 0 again after its preemption
+    starts = [r.start for s in items(d.obs, StepObs) for r in s.reqs if r.rid == "b"]
+    assert starts.count(0) >= 2
+    assert d.obs[-1].counters.free_blocks == cfg.num_blocks - 1
+
+
+def test_preempt_event_discards_in_flight_output_and_resumes():
+    cfg = config_for("sliding", window=8, block_size=4, depth=3, policy="settled",
+                     max_num_batched_tokens=8)
+    evs = [AddRequest("a", 20, 4), Schedule(), Schedule(), Preempt("a"), Schedule()]
+    t, obs = run(cfg, evs)
+    assert all(f.reason == "preempt" for f in obs[4].items)
+    assert obs[4].counters.reqs["a"] == obs[4].counters.reqs["a"].__class__(
+        0, 0, (0,), "preempted")
+    assert obs[5].items == []  # held back while its discarded steps run
+    o = t.apply(Process())
+    assert o.items[0].discarded == ("a",)
+    t.apply(Process())
+    o = t.apply(Schedule())
+    assert o.items[-1].reqs[0].start == 0 and o.counters.reqs["a"].status == "running"
+
+
+def test_failed_load_recomputes_from_the_first_bad_block():
+    cfg = config_for("full", block_size=16, depth=2, policy="settled",
+                     max_num_batched_tokens=64)
+    evs = [AddRequest("a", 100, 4, external_tokens=64), Schedule()]
+    t, obs = run(cfg, evs)
+    req = obs[2].items[-1].reqs[0]
+    assert (req.start, req.end, req.loaded) == (64, 100, 64)
+    assert not t.can_apply(FailLoad("a", 4))  # block 4 = positions [64, 80): not loaded
+    t.apply(FailLoad("a", 2))
+    o = t.apply(Process())
+    assert o.items[0].failed == (("a", 2),) and o.items[0].discarded == ("a",)
+    dropped = [i for i in o.items if isinstance(i, FreeObs)]
+    assert sorted(f.logical for f in dropped) == [2, 3, 4, 5, 6]
+    assert {f.reason for f in dropped} == {"failed_load"}
+    assert o.counters.reqs["a"].computed == 32 and o.counters.reqs["a"].in_flight == 0
+    o = t.apply(Schedule())
+    assert (o.items[-1].reqs[0].start, o.items[-1].reqs[0].end) == (32, 96)
+
+
+def test_failed_load_in_a_sliding_window_recomputes_from_where_the_window_is_held():
+    """The slots below the window of the external tokens were NULL-padded at
+    admission (vLLM pads on local + external), so recomputing from the bad
+    block would read NULL: the request goes back to a block whose window it
+    holds, here the start."""
+    cfg = config_for("sliding", window=16, block_size=16, depth=1, policy="settled")
+    t, obs = run(cfg, [AddRequest("a", 100, 4, external_tokens=80), Schedule()])
+    req = obs[2].items[-1].reqs[0]
+    assert req.tables[0][:4] == (0, 0, 0, 0) and req.loaded == 80
+    t.apply(FailLoad("a", 4))
+    o = t.apply(Process())
+    assert o.counters.reqs["a"].computed == 0
+    o = t.apply(Schedule())
+    assert o.items[-1].reqs[0].start == 0
+
+
+def test_prefix_cache_hits_across_requests():
+    cfg = config_for("hybrid", window=16, block_size=16, depth=1, prefix_caching=True)
+    t, obs = run(cfg, [AddRequest("a", 70, 2), Schedule(), Process(), Finish("a"),
+                       AddRequest("b", 90, 2), Schedule()])
+    allocs = [i for i in obs[-1].items if isinstance(i, AllocObs)]
+    hit = [a for a in allocs if a.cached]
+    assert hit, allocs
+    req = obs[-1].items[-1].reqs[0]
+    assert req.start == 64  # four full prompt blocks of "a" hit in both groups
+    assert req.tables[1][:3] == (0, 0, 0)  # sliding: only the window's block is taken
+    assert {a.logical for a in hit if a.group == 0} == {0, 1, 2, 3}
+
+
+def test_unordered_hazard_defers_request_frees_behind_in_flight_steps():
+    for hazard, deferred in (("ordered", False), ("unordered", True)):
+        cfg = config_for("full", block_size=16, depth=2, hazard=hazard)
+        t, obs = run(cfg, [AddRequest("a", 40, 4), Schedule(), Abort("a")])
+        frees = [i for i in obs[3].items if isinstance(i, FreeObs)]
+        assert bool(frees) is not deferred
+        assert obs[3].items[0] == FinishObs("a", "abort")
+        o = t.apply(Process())
+        assert o.items[0].discarded == ("a",)
+        assert bool([i for i in o.items if isinstance(i, FreeObs)]) is deferred
+        assert o.counters.free_blocks == cfg.num_blocks - 1
+
+
+def test_invalid_events_are_refused():
+    cfg = config_for("full", depth=1, spec_tokens=1)
+    t = ReferenceTarget()
+    t.reset(cfg)
+    assert not t.can_apply(Process())
+    with pytest.raises(ValueError):
+        t.apply(Process())
+    assert not t.can_apply(AddRequest("a", 500, 100))
+    t.apply(AddRequest("a", 30, 5))
+    assert not t.can_apply(AddRequest("a", 30, 5))
+    assert not t.can_apply(Preempt("a"))  # waiting: holds nothing
+    assert not t.can_apply(FailLoad("a", 0))
+    t.apply(Schedule())
+    assert not t.can_apply(Schedule())  # depth 1
+    assert not t.can_apply(Process({"a": 1}))  # the prefill has no drafts
+    t.apply(Process())
+    t.apply(Schedule())
+    assert t.can_apply(Process({"a": 1})) and not t.can_apply(Process({"a": 2}))
+    t.apply(Finish("a"))
+    assert not t.can_apply(Abort("a"))
+    with pytest.raises(Unsupported):
+        t.reset(Config(groups=(Group("sliding", 0),)))
+
+
+def test_counters_report_the_bound_per_group():
+    cfg = config_for("hybrid", window=16, block_size=16, depth=2, max_num_batched_tokens=64,
+                     max_model_len=512)
+    o = ReferenceTarget().reset(cfg)
+    # full: every block of max_model_len; sliding: cdiv(15 + 2*64, 16) + 1
+    assert o.counters.bound == (32, 10)
+
+
+def test_a_step_costs_microseconds():
+    d = random_run(7, 0)
+    rng = random.Random(1)
+    cfg = random_config(rng, depth=2, policy="settled")
+    d = Driver(rng, cfg)
+    n = 0
+    t0 = time.perf_counter()
+    while n < 3000:
+        if d.step() is not None:
+            n += 1
+    per_event = (time.perf_counter() - t0) / n
+    assert per_event < 2e-3, f"{per_event * 1e6:.0f} us per event"
