@@ -149,9 +149,9 @@ def random_config(rng: random.Random, **over) -> Config:
 class Driver:
     """Feeds random valid events to a target and mirrors what it observed."""
 
-    def __init__(self, rng: random.Random, cfg: Config, target=None):
+    def __init__(self, rng: random.Random, cfg: Config):
         self.rng, self.cfg = rng, cfg
-        self.t = target or ReferenceTarget()
+        self.t = ReferenceTarget()
         self.obs = [self.t.reset(cfg)]
         self.events: list = []
         self.steps: dict[int, dict] = {}  # unprocessed step -> {rid: ReqStep}
@@ -244,8 +244,8 @@ class Checker:
         self.counters = None
 
     def lowest_shift(self, rid, step):
-        """How far ``rid``'s share of ``step`` may shift down: the drafts of its
-        earlier unprocessed steps, all rejected, plus the shift so far."""
+        """How much further ``rid``'s share of ``step`` may still shift down: the
+        drafts of its earlier unprocessed steps, all rejected."""
         return sum(e[0].spec for s, es in self.steps.items() if s < step
                    for e in es if e[0].rid == rid)
 
@@ -358,7 +358,7 @@ def test_optimistic_is_caught_by_the_same_checker():
         for msg in bad:
             found[" ".join(msg.split()[:2])] += 1
     assert found["window free"] > 0, found
-    assert any("shifted" in k or "reads" in k for k in found) or found, found
+    assert any(k.startswith("step") for k in found), found  # a (shifted) step reads NULL
 
 
 # ----------------------------------------------------------- named scenarios
@@ -514,7 +514,6 @@ def test_counters_report_the_bound_per_group():
 
 
 def test_a_step_costs_microseconds():
-    d = random_run(7, 0)
     rng = random.Random(1)
     cfg = random_config(rng, depth=2, policy="settled")
     d = Driver(rng, cfg)
