@@ -40,7 +40,7 @@ Known omissions (vLLM 0.33 features outside the event language):
   step that admits the request loads ``[hit, external_tokens)``);
 * 0.33's delivery of stale (pre-preemption) output: here it is discarded.
 
-Deliberate deviations (see the final report / docstrings where they live):
+Deliberate deviations (each explained where it lives):
 
 * a failed load drops the request's slots from the recompute point on and
   discards its later in-flight steps; the recompute point is the first bad

@@ -35,7 +35,8 @@ holds a preempted request back while its stale output is in flight).
 Request-level frees (finish, abort, preempt, failed load) under
 ``hazard = unordered`` (a KV-consumer connector may write a block as soon as
 it is in the pool) are deferred until the request's last scheduled step is
-processed: vLLM's deferred-free queue (``defer_block_free``).
+processed: vLLM's deferred-free queue (``defer_block_free``), whose fence is
+the coarser "latest step scheduled when the free happened".
 """
 
 from __future__ import annotations
