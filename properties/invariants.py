@@ -284,8 +284,6 @@ class Checker:
                 req.deferred.append(f)
                 self._any_deferred = True
         else:
-            if f.reason == "preempt" and self._live_pending(f.rid):
-                self.witness["preempt_in_flight"] += 1
             if n == 0 and self.cfg.hazard == "unordered":
                 self._check_returned(f)
 
@@ -407,9 +405,12 @@ class Checker:
             for later in self._live_pending(rid):
                 later.dead = True
 
-    def mark_dead(self, rid: str) -> None:
+    def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
-        for pp in self._live_pending(rid):
+        live = self._live_pending(rid)
+        if preempted and live:
+            self.witness["preempt_in_flight"] += 1
+        for pp in live:
             pp.dead = True
 
     def _counters(self, obs: Observed) -> None:
@@ -432,7 +433,7 @@ class Checker:
         for rid, rc in active:
             status = rc.status
             if status == "preempted" or status == "waiting":
-                self.mark_dead(rid)
+                self.mark_dead(rid, preempted=True)
             for gi, n in enumerate(rc.live):
                 if gi < nbound and n > bound[gi]:
                     self._v(5, f"{rid} holds {n} live blocks in group {gi} "
