@@ -25,22 +25,17 @@ What runs when (the device timeline this replay models)::
 * Discarded outputs (preempted, finished, aborted or failed-load requests):
   the kernel still runs and writes; its outputs are not checked.
 * ``hazard = "unordered"`` (a KV-consumer connector loads on its own
-  stream): a block returned to the pool and still free when the event ends
-  (its last reference dropped, not handed out again by the same scheduler
-  call, and not hit again from the prefix cache later) is filled at once with
-  a foreign pattern, what a connector's load would leave. A kernel of a step
-  scheduled *before* that free sees the foreign pattern in the block whenever
-  it reads it: if it wrote its own K/V there, the load is taken to land
-  between that write and the read (the worst interleaving of two unordered
-  streams; either order garbles someone). This holds even if the block is
-  handed out in a later event: the writer may have used it in between. A
-  block handed out again within the same scheduler call never reached the
-  writer; what its new owner does to it is replayed as it is: a connector's
-  load for a newly scheduled step lands at schedule time, before pending
-  kernels run.
-  ``"ordered"``: loads land when their step's kernel runs and nothing else
-  writes; a kernel sees only the writes of steps that ran before it and its
-  own.
+  stream): the moment a block is back in the pool (its last reference
+  dropped, and not hit again from the prefix cache later, which would mean
+  nobody evicted it) the writer fills it with a foreign pattern, what a
+  connector's load would leave. This is the hazard model of DESIGN.md ("may
+  write a block the moment it is in the pool"), so it applies even when the
+  scheduler hands the block out again in the same call. A kernel of a step
+  scheduled *before* that free sees the foreign pattern in the slots it reads
+  there: where it wrote its own K/V, the load is taken to land between that
+  write and the read (the worst interleaving of two unordered streams). Later
+  owners' writes land as they run; a connector's load for a newly scheduled
+  step lands at schedule time, before pending kernels run.
 * Mamba (assumption, as in :mod:`model.windows`): the recurrent state read by
   position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``.
 
@@ -140,14 +135,22 @@ class AttentionReport:
     nan_reads: int = 0
     steps: int = 0
     positions: int = 0  # (position, group) rows checked
-    null_writes: int = 0  # K/V writes that hit a NULL table entry (dropped)
+    null_writes: int = 0  # computed positions whose K/V write hit a NULL entry (dropped)
     foreign_writes: int = 0  # blocks the unordered writer filled
     kernel_max_err: float | None = None
     kernel_tol: float | None = None
     kernel_note: str = ""  # why vLLM's kernel did not run, if it did not
     kernel_failed: str = ""  # vLLM's kernel raised (the torch check went on)
     property_violation: str = ""  # the first property violation replay found, if any
+    violations: list = field(default_factory=list)  # all of them (properties.invariants)
     seconds: float = 0.0
+
+    def named_step(self, prop: int) -> int | None:
+        """The step that the checker's first violation of property ``prop`` names."""
+        for v in self.violations:
+            if v.prop == prop and v.step is not None:
+                return v.step
+        return None
 
     @property
     def ok(self) -> bool:
@@ -214,7 +217,8 @@ class AttentionReplay:
         self.scheduled = 0  # steps scheduled so far
         # (group, block) -> (steps scheduled when the unordered writer took it, salt)
         self.taken: dict[tuple[int, int], tuple[int, int]] = {}
-        self.touched: set[tuple[int, int]] = set()  # blocks the running kernel wrote
+        # (group, block) -> slots the running kernel wrote
+        self.touched: dict[tuple[int, int], set[int]] = defaultdict(set)
         self.st = _Stats()
 
     # ------------------------------------------------------------ driving
@@ -231,8 +235,6 @@ class AttentionReplay:
 
     def _event(self, ei: int, items: list[Item]) -> None:
         scheduled: list[_Step] = []
-        # returned during this event -> steps scheduled when it was returned
-        self.freed_now: dict[tuple[int, int], int] = {}
         for ii, it in enumerate(items):
             if isinstance(it, StepObs):
                 s = _Step(it.step, [_Req(rs) for rs in it.reqs])
@@ -241,7 +243,6 @@ class AttentionReplay:
                 self.scheduled = max(self.scheduled, it.step + 1)
             elif isinstance(it, AllocObs):
                 self.refs[(it.group, it.block)] += 1
-                self.freed_now.pop((it.group, it.block), None)
             elif isinstance(it, FreeObs):
                 self._free(it, (ei, ii))
             elif isinstance(it, ProcessObs):
@@ -255,12 +256,6 @@ class AttentionReplay:
             elif isinstance(it, FinishObs):
                 self._kill(it.rid, it.reason)
         if self.unordered:
-            # blocks still in the pool: the unordered writer takes them now
-            for key, epoch in self.freed_now.items():
-                if self.refs[key] <= 0:
-                    self.taken[key] = (epoch, self.st.foreign_writes)
-                    self._fill_foreign(key)
-                    self.st.foreign_writes += 1
             # a connector's load is issued with the schedule, on its own stream:
             # it lands before any pending kernel runs
             for s in scheduled:
@@ -274,13 +269,15 @@ class AttentionReplay:
             self._kill(f.rid, f.reason)
         if (self.unordered and f.block != NULL and self.refs[key] <= 0
                 and self.foreign_ok.get(where, True)):
-            self.freed_now[key] = self.scheduled
+            self.taken[key] = (self.scheduled, self.st.foreign_writes)
+            self._fill_foreign(key, np.arange(self.B))
+            self.st.foreign_writes += 1
 
-    def _fill_foreign(self, key: tuple[int, int]) -> None:
+    def _fill_foreign(self, key: tuple[int, int], slots: np.ndarray) -> None:
         group, block = key
-        k, v = junk_kv(TAG_FOREIGN, block, group, np.arange(self.B), self.shape,
-                       salt=self.taken[key][1])
-        self.caches[group].fill_block(block, k, v)
+        k, v = junk_kv(TAG_FOREIGN, block, group, slots, self.shape, salt=self.taken[key][1])
+        self.caches[group].write(torch.full((len(slots),), block, device=self.device),
+                                 torch.from_numpy(slots).to(self.device), k, v)
 
     def _kill(self, rid: str, why: str) -> None:
         for s in self.pending:
@@ -291,18 +288,20 @@ class AttentionReplay:
     # ------------------------------------------------------------ the device
 
     def _write(self, gi: int, table: tuple[int, ...], pos: np.ndarray, k: torch.Tensor,
-               v: torch.Tensor) -> None:
+               v: torch.Tensor, count_null: bool = True) -> None:
         if len(pos) == 0:
             return
         logical = pos // self.B
         ext = np.array(list(table) + [NULL], dtype=np.int64)
         phys = ext[np.minimum(logical, len(table))]
         ok = phys != NULL
-        self.st.null_writes += int((~ok).sum())
+        if count_null:
+            self.st.null_writes += int((~ok).sum())
         if not ok.any():
             return
         okt = torch.from_numpy(ok)
-        self.touched.update((gi, int(b)) for b in np.unique(phys[ok]))
+        for b, sl in zip(phys[ok].tolist(), (pos[ok] % self.B).tolist(), strict=True):
+            self.touched[(gi, b)].add(sl)
         self.caches[gi].write(torch.from_numpy(phys[ok]).to(self.device),
                               torch.from_numpy(pos[ok] % self.B).to(self.device),
                               k[okt], v[okt])
@@ -321,7 +320,8 @@ class AttentionReplay:
                 bad = torch.from_numpy(pos // self.B >= bad_from)[:, None, None]
                 jk, jv = junk_kv(TAG_FAILED, rid_stream(rs.rid), gi, pos, self.shape, salt=step)
                 k, v = torch.where(bad, jk, k), torch.where(bad, jv, v)
-            self._write(gi, _table(rs, gi), pos, k, v)
+            # positions a window already skipped have NULL slots: nothing to load
+            self._write(gi, _table(rs, gi), pos, k, v, count_null=False)
 
     def _execute(self, s: _Step, po: ProcessObs | None) -> None:
         accepted = dict(po.accepted) if po else {}
@@ -354,9 +354,9 @@ class AttentionReplay:
             plan.append((r, dead, rejected, good))
         # the unordered writer's load lands between this kernel's writes and its
         # reads in blocks returned to the pool after the step was scheduled
-        for key in self.touched:
+        for key, slots in self.touched.items():
             if key in self.taken and s.step < self.taken[key][0]:
-                self._fill_foreign(key)
+                self._fill_foreign(key, np.array(sorted(slots), dtype=np.int64))
         self.touched.clear()
         # 3. attention for every computed position whose output counts
         for r, dead, rejected, good in plan:
@@ -505,7 +505,15 @@ def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: lis
     if vllm is True and kernel is None:
         raise RuntimeError(f"vLLM's kernel was required: {why}")
     rp = AttentionReplay(cfg, prompt_lens, dev, dtype, shape, kernel)
-    st = rp.run(events_items)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        # the tensors are tiny: intra-op threads only add wake-up latency (and
+        # spin against each other on a busy 2-core machine)
+        torch.set_num_threads(1)
+    try:
+        st = rp.run(events_items)
+    finally:
+        torch.set_num_threads(threads)
     name = f"torch paged ({dev.type})"
     if kernel is not None:
         name += f" + {kernel.name}"
@@ -536,6 +544,7 @@ def replay_attention(trace: Trace, target_spec: str | Target = "reference",
                            heads, head_dim, vllm, label=trace.config.label())
     if rr.first is not None:
         rep.property_violation = str(rr.first)
+    rep.violations = list(rr.violations)
     rep.seconds = time.perf_counter() - t0
     return rep
 

@@ -176,9 +176,6 @@ class PagedCache:
         self.k[blocks, slots] = k.to(device=self.device, dtype=self.dtype)
         self.v[blocks, slots] = v.to(device=self.device, dtype=self.dtype)
 
-    def fill_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[block] = k.to(device=self.device, dtype=self.dtype)
-        self.v[block] = v.to(device=self.device, dtype=self.dtype)
 
 
 # -------------------------------------------------------------------- attention
