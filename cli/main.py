@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fuzz", help="drive a target with the Hypothesis state machine",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  ./kvcheck fuzz --target reference --kind sliding --policy optimistic "
-               "--depth 2\n  ./kvcheck fuzz --target vllm@0.25.1 --kind chunked_local --depth 2")
+               "--depth 2\n  ./kvcheck fuzz --target vllm@0.25.1 --kind chunked_local --depth 2\n"
+               "a violation saves <out>/<name>.json, <out>/<name>.png and <out>/test_<name>.py")
     f.add_argument("--target", default="reference",
                    help="reference | vllm@VERSION | vllm@PATH (default reference)")
     f.add_argument("--kind", default="sliding", choices=ALL_KINDS)
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--attention-every", type=int, default=0, metavar="N",
                    help="also confirm every Nth example numerically with attention replay")
     f.add_argument("--quiet", action="store_true")
+    f.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a violation also write <out>/<name>.png (blocks against events) "
+                        "and <out>/test_<name>.py (a standalone pytest reproducer); default on")
 
     r = sub.add_parser(
         "replay", help="re-run a saved trace on a target",
@@ -83,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attention", action="store_true",
                    help="also replay through real attention (CUDA where present, else CPU)")
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    r.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a violation write a picture and a pytest reproducer next to "
+                        "the trace; default on")
 
     pr = sub.add_parser(
         "prove", help="prove the invariant with Z3; refute broken policies",
@@ -142,7 +149,17 @@ def cmd_fuzz(a) -> int:
 
     target = make_target(a.target)
     _check_capabilities(target, spec)
-    res = fuzz(spec, examples=a.examples, seed=a.seed, database=db, target=target)
+    progress = None
+    if not a.quiet:
+        from properties.progress import Progress
+
+        progress = Progress(f"fuzz {a.target} {a.kind}/{spec.policy}")
+    try:
+        res = fuzz(spec, examples=a.examples, seed=a.seed, database=db, target=target,
+                   on_example=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     print(_summary(res))
     if res.crash:
         path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
@@ -160,6 +177,8 @@ def cmd_fuzz(a) -> int:
         print(format_timeline(rr))
         print(f"trace saved: {path}")
         print(f"replay: ./kvcheck replay {path} --target {a.target}")
+        if a.report:
+            _print_report(rr, path.parent, path.stem, a.target)
         return EXIT_VIOLATION
     vac = res.vacuous
     if vac:
@@ -195,6 +214,20 @@ def _check_capabilities(target, spec) -> None:
         spec.policy = caps.fixed_policy
 
 
+def _print_report(rr, out: Path, name: str, target: str) -> None:
+    """Write the counterexample's picture and pytest reproducer; print their paths."""
+    from properties.report import write_report
+
+    rep = write_report(rr, out, name, target)
+    if rep.png:
+        print(f"picture: {rep.png}")
+    if rep.reproducer:
+        print(f"reproducer: {rep.reproducer}  (pytest it; KVCHECK_TARGET=... tries another "
+              f"target)")
+    for e in rep.errors:
+        print(f"report: {e}")
+
+
 # ------------------------------------------------------------------- replay
 
 
@@ -221,6 +254,11 @@ def cmd_replay(a) -> int:
     elif rr.first is not None:
         print(f"verdict: VIOLATION of property {rr.first.prop} ({rr.first.name})")
         code = EXIT_VIOLATION
+        if a.report:
+            stem = Path(a.trace).stem
+            if target != (trace.meta.get("target") or "reference"):
+                stem += "-on-" + target.replace("@", "-").replace("/", "_")
+            _print_report(rr, Path(a.trace).resolve().parent, stem, target)
     else:
         print("verdict: all properties hold")
     if a.attention:

@@ -195,7 +195,8 @@ class KVMachine(RuleBasedStateMachine):
         self._apply(AddRequest(rid, prompt, new, ext))
 
     @precondition(lambda self: self.cfg is not None
-                  and self.checker.in_flight_steps() < self.cfg.depth)
+                  and self.checker.in_flight_steps() < self.cfg.depth
+                  and (self._live() or len(self.added) >= MAX_ADDED))
     @rule()
     def schedule(self) -> None:
         self._apply(Schedule())

@@ -1,10 +1,10 @@
 """Replay a trace on a target, check it, and tell the story as a timeline.
 
 The timeline is written for a reviewer at 2 a.m.: one block of lines per
-event; for each scheduled step the requests' intervals and block tables
-(``.`` NULL, ``*`` returned during this event, ``[n]`` blocks the step reads);
-each request's processed / in-flight / optimistic counts; the violation marked
-with ``>>``.
+event: what happened, each request's processed / in-flight / optimistic
+counts, its block table (``.`` NULL, ``*`` returned during this event) with
+the logical blocks each unprocessed step may read drawn under it; the
+violation marked with ``>>`` (see :mod:`properties.report`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from impl.target import Target, TargetCrash, make_target
 from model.events import Config, Event, Trace
-from model.observations import NULL, FreeObs, Observed, ProcessObs, StepObs
-from model.windows import read_blocks
+from model.observations import Observed
 from properties.invariants import Checker, Violation
 
 
@@ -82,59 +81,10 @@ def _fmt_event(ev: Event) -> str:
 
 
 def format_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 24) -> str:
-    cfg = cfg or res.trace.config
-    B = cfg.block_size
-    out = [f"config: {cfg.label()}"]
-    bad = res.first
-    step_of: dict[int, int] = {}
-    for row in res.rows:
-        mark = ">>" if row.violations else "  "
-        out.append(f"{mark} {row.index:3d}  {_fmt_event(row.event)}")
-        freed = [it for it in row.obs.items if isinstance(it, FreeObs)]
-        for it in row.obs.items:
-            if isinstance(it, ProcessObs):
-                acc = ", ".join(f"{r} accepted {n}" for r, n in it.accepted)
-                extra = []
-                if it.discarded:
-                    extra.append("discarded " + ",".join(it.discarded))
-                if it.failed:
-                    extra.append("failed load " + ",".join(f"{r}@block {k}" for r, k in it.failed))
-                tail = (f" ({acc})" if acc else "") + ("; " + "; ".join(extra) if extra else "")
-                out.append(f"         output of step {it.step} processed{tail}")
-        if freed:
-            by = {}
-            for f in freed:
-                by.setdefault((f.rid, f.reason), []).append(f"{f.block}@{f.logical}")
-            for (rid, reason), blks in by.items():
-                out.append(f"         {rid} returns blocks {', '.join(blks)} ({reason})")
-        for it in row.obs.items:
-            if isinstance(it, StepObs):
-                step_of[it.step] = row.index
-                for rs in it.reqs:
-                    counters = row.obs.counters.reqs.get(rs.rid) if row.obs.counters else None
-                    c = counters.computed if counters else "?"
-                    f = counters.in_flight if counters and counters.in_flight is not None else "-"
-                    p = row.settled.get(rs.rid)
-                    spec = f", {rs.spec} draft" if rs.spec else ""
-                    load = f", loads [{rs.start - rs.loaded}, {rs.start})" if rs.loaded else ""
-                    out.append(f"         step {it.step}: {rs.rid} computes [{rs.start}, {rs.end})"
-                               f"{spec}{load}   p={p} f={f} c={c}")
-                    freed_now = {f.block for f in freed if f.rid == rs.rid}
-                    for gi, table in enumerate(rs.tables):
-                        g = cfg.groups[gi]
-                        reads = set(read_blocks(g, rs.start, rs.end, B))
-                        cells = []
-                        for lg, blk in enumerate(table[:width]):
-                            s = "." if blk == NULL else str(blk)
-                            if blk in freed_now:
-                                s += "*"
-                            cells.append(f"[{s}]" if lg in reads else f" {s} ")
-                        more = " ..." if len(table) > width else ""
-                        out.append(f"           {g.label():<18} {' '.join(cells)}{more}")
-        for v in row.violations:
-            out.append(f">>       VIOLATION {v}")
-    if res.crash:
-        out.append("target crashed:\n" + res.crash)
-    if bad is None and not res.crash:
-        out.append("all properties hold")
-    return "\n".join(out)
+    """The replay as a terminal timeline: per event, each request's counts
+    ``p``/``f``/``c``, its block table (``N*`` returned now, ``.`` NULL) and the
+    logical blocks each unprocessed step may read; the violation marked ``>>``
+    and its block ``>N*<``. Drawn by :func:`properties.report.render_timeline`."""
+    from properties.report import render_timeline
+
+    return render_timeline(res, cfg, width)
