@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay through real attention (CUDA where present, else CPU)")
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     r.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
-                   help="after a violation write a picture and a pytest reproducer next to "
-                        "the trace; default on")
+                   help="after a violation write counterexamples/<name>.png and "
+                        "counterexamples/test_<name>.py (a pytest reproducer); default on")
 
     pr = sub.add_parser(
         "prove", help="prove the invariant with Z3; refute broken policies",
@@ -255,10 +255,10 @@ def cmd_replay(a) -> int:
         print(f"verdict: VIOLATION of property {rr.first.prop} ({rr.first.name})")
         code = EXIT_VIOLATION
         if a.report:
-            stem = Path(a.trace).stem
+            stem = Path(a.trace).stem + (f"-{a.policy}" if a.policy else "")
             if target != (trace.meta.get("target") or "reference"):
                 stem += "-on-" + target.replace("@", "-").replace("/", "_")
-            _print_report(rr, Path(a.trace).resolve().parent, stem, target)
+            _print_report(rr, Path("counterexamples"), stem, target)
     else:
         print("verdict: all properties hold")
     if a.attention:
