@@ -115,11 +115,13 @@ class BadRead:
     kind: str  # "nan" | "garbled"
     group: int = 0
     err: float = float("nan")
+    group_label: str = ""
 
     def __str__(self) -> str:
         what = "read NaN (NULL block)" if self.kind == "nan" else (
             f"garbled (error {self.err:.3g})")
-        return f"step {self.step}, {self.rid} position {self.position} (group {self.group}): {what}"
+        g = f"group {self.group}" + (f" {self.group_label}" if self.group_label else "")
+        return f"step {self.step}, {self.rid} position {self.position} ({g}): {what}"
 
 
 @dataclass
@@ -410,7 +412,8 @@ class AttentionReplay:
             if badrows:
                 i = badrows[0]
                 cand = BadRead(step, rid, int(ts[i]), "nan" if bool(isnan[i]) else "garbled",
-                               gi, float("nan") if bool(isnan[i]) else float(err[i]))
+                               gi, float("nan") if bool(isnan[i]) else float(err[i]),
+                               g.label())
                 if bad is None or cand.position < bad.position:
                     bad = cand
             if self.kernel is not None:
@@ -579,7 +582,10 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
     if rep.first_bad is not None:
         lines.append(f"  first bad: {rep.first_bad}")
     if rep.property_violation:
-        lines.append(f"  checker:   {rep.property_violation}")
+        fb = rep.first_bad
+        same = [v for v in rep.violations if fb is not None and v.step == fb.step
+                and v.prop == (2 if fb.kind == "nan" else 1)]
+        lines.append(f"  checker:   {same[0] if same else rep.property_violation}")
     rows = rep.rows
     if len(rows) > max_rows:
         bad_i = next((i for i, r in enumerate(rows) if r.verdict in ("nan", "garbled")), None)

@@ -459,3 +459,30 @@ def test_gpu_check_without_gpu_says_so_and_exits_3(tmp_path, capsys):
     code = _gpu_check().main(["--traces", str(tmp_path)])
     out = capsys.readouterr()
     assert code == 3 and "did NOT run" in out.out and "--cpu-ok" in out.err
+
+
+# ------------------------------------------------------------- real vLLM managers
+
+
+def _vllm_target(version: str):
+    from impl.target import TargetError, make_target
+
+    try:
+        return make_target(f"vllm@{version}")
+    except TargetError as e:
+        pytest.skip(f"vLLM {version} is not installed here ({e})")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version,garbled", [("0.25.1", True), ("0.33.0", False)])
+def test_real_vllm_manager_garbles_before_the_fix_and_not_after(version, garbled):
+    """The sliding-window counterexample driven through vLLM's own scheduler and
+    KV-cache manager: 0.25.1 (optimistic) frees blocks step 0 still reads, the
+    unordered writer garbles them; 0.33.0 (the fix) stays exact."""
+    target = _vllm_target(version)
+    rep = replay_attention(_fixed("swa-unordered-optimistic"), target, device="cpu")
+    if garbled:
+        assert not rep.ok and rep.first_bad.kind == "garbled" and rep.first_bad.step == 0
+        assert rep.named_step(1) == 0
+    else:
+        assert rep.ok and rep.max_err <= FP32_TOL, format_report(rep)
