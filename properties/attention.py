@@ -23,7 +23,10 @@ What runs when (the device timeline this replay models)::
   rejected positions of the step itself are written with a draft's K/V (junk
   the next step must overwrite) and their outputs are not checked.
 * Discarded outputs (preempted, finished, aborted or failed-load requests):
-  the kernel still runs and writes; its outputs are not checked.
+  the kernel still runs, writes and reads; its outputs are computed and shown
+  (``discarded``, with what they read) but never judged. The checker's
+  property 2 does flag such a read when it was live at the time (a rejection
+  shifted the step onto NULL, then a preemption discarded it).
 * ``hazard = "unordered"`` (a KV-consumer connector loads on its own
   stream): the moment a block is back in the pool (its last reference
   dropped, and not hit again from the prefix cache later, which would mean
@@ -38,6 +41,9 @@ What runs when (the device timeline this replay models)::
   step lands at schedule time, before pending kernels run.
 * Mamba (assumption, as in :mod:`model.windows`): the recurrent state read by
   position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``.
+* One layer per group: a bad read garbles that position's output, not the
+  K/V that deeper layers would write for it (a multi-layer model would also
+  leave bad K/V behind, e.g. in a block the prefix cache serves later).
 
 Usage::
 
@@ -139,6 +145,7 @@ class AttentionReport:
     positions: int = 0  # (position, group) rows checked
     null_writes: int = 0  # computed positions whose K/V write hit a NULL entry (dropped)
     foreign_writes: int = 0  # blocks the unordered writer filled
+    discarded_bad: int = 0  # discarded outputs that read NaN or garbage (not judged)
     kernel_max_err: float | None = None
     kernel_tol: float | None = None
     kernel_note: str = ""  # why vLLM's kernel did not run, if it did not
@@ -173,6 +180,7 @@ class AttentionReport:
 @dataclass
 class _Req:
     rs: ReqStep
+    gen: int = 0  # the request's preemptions before this step was scheduled
     shift: int = 0
     dead: str = ""  # why the output will be discarded, "" while it counts
 
@@ -192,6 +200,7 @@ class _Stats:
     positions: int = 0
     null_writes: int = 0
     foreign_writes: int = 0
+    discarded_bad: int = 0
     kernel_max_err: float | None = None
     steps: int = 0
 
@@ -216,6 +225,7 @@ class AttentionReplay:
         self.unordered = cfg.hazard == "unordered"
         self.pending: list[_Step] = []
         self.refs: Counter[tuple[int, int]] = Counter()
+        self.gen: Counter[str] = Counter()  # preemptions per request
         self.scheduled = 0  # steps scheduled so far
         # (group, block) -> (steps scheduled when the unordered writer took it, salt)
         self.taken: dict[tuple[int, int], tuple[int, int]] = {}
@@ -239,7 +249,7 @@ class AttentionReplay:
         scheduled: list[_Step] = []
         for ii, it in enumerate(items):
             if isinstance(it, StepObs):
-                s = _Step(it.step, [_Req(rs) for rs in it.reqs])
+                s = _Step(it.step, [_Req(rs, self.gen[rs.rid]) for rs in it.reqs])
                 self.pending.append(s)
                 scheduled.append(s)
                 self.scheduled = max(self.scheduled, it.step + 1)
@@ -269,6 +279,8 @@ class AttentionReplay:
         self.refs[key] -= 1
         if f.reason != "window":
             self._kill(f.rid, f.reason)
+        if f.reason == "preempt":
+            self.gen[f.rid] += 1  # steps scheduled from now on belong to the restart
         if (self.unordered and f.block != NULL and self.refs[key] <= 0
                 and self.foreign_ok.get(where, True)):
             self.taken[key] = (self.scheduled, self.st.foreign_writes)
@@ -368,10 +380,15 @@ class AttentionReplay:
                 note.append(f"shifted -{r.shift}")
             if rejected:
                 note.append(f"{rejected} draft(s) rejected")
-            if dead or len(good) == 0:
-                self.st.rows.append(StepRow(s.step, rid, (int(good[0]) if len(good) else 0,
-                                                          int(good[-1]) + 1 if len(good) else 0),
-                                            0.0, 0, "discarded", dead or "nothing computed"))
+            if len(good) == 0:
+                self.st.rows.append(StepRow(s.step, rid, (0, 0), 0.0, 0, "discarded",
+                                            dead or "nothing computed"))
+            elif dead:
+                # the kernel still reads; what it reads is shown, never judged
+                row = self._attend(s.step, r.rs, good, "; ".join([dead, *note]), judge=False)
+                if row.nan_reads or row.max_abs_err > self.tol:
+                    self.st.discarded_bad += 1
+                self.st.rows.append(row)
             else:
                 self.st.rows.append(self._attend(s.step, r.rs, good, "; ".join(note)))
         # 4. rejections move this request's later in-flight steps down
@@ -383,10 +400,13 @@ class AttentionReplay:
                         continue
                     if rejected:
                         lr.shift += rejected
-                    if rid in failed or rid in discarded:
+                    # a discarded output takes the request's later in-flight steps
+                    # along, but not those of a restart after a preemption
+                    if (rid in failed or rid in discarded) and lr.gen == r.gen:
                         lr.dead = lr.dead or ("failed load" if rid in failed else "discarded")
 
-    def _attend(self, step: int, rs: ReqStep, ts: np.ndarray, note: str) -> StepRow:
+    def _attend(self, step: int, rs: ReqStep, ts: np.ndarray, note: str,
+                judge: bool = True) -> StepRow:
         rid = rs.rid
         plen = self.prompt_lens.get(rid, 0)
         worst = 0.0
@@ -416,7 +436,7 @@ class AttentionReplay:
                                g.label())
                 if bad is None or cand.position < bad.position:
                     bad = cand
-            if self.kernel is not None:
+            if self.kernel is not None and judge:
                 try:
                     e = self._kernel_err(cache, g, table, ts, q, pos, mask)
                 except Exception as ex:  # noqa: BLE001 - reported, the torch check goes on
@@ -424,6 +444,11 @@ class AttentionReplay:
                     self.kernel = None
                 else:
                     kerr = e if kerr is None else max(kerr, e)
+        if not judge:
+            what = (f"; read NaN at {nan_rows}" if nan_rows else
+                    f"; read garbage (error {worst:.3g})" if worst > self.tol else "")
+            return StepRow(step, rid, (int(ts[0]), int(ts[-1]) + 1), worst, nan_rows,
+                           "discarded", note + what)
         self.st.positions += len(ts) * len(self.cfg.groups)
         self.st.nan_reads += nan_rows
         self.st.max_err = max(self.st.max_err, worst)
@@ -525,6 +550,7 @@ def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: lis
         dtype=dtype, tol=tol, first_bad=st.first_bad, max_err=st.max_err,
         nan_reads=st.nan_reads, steps=st.steps, positions=st.positions,
         null_writes=st.null_writes, foreign_writes=st.foreign_writes,
+        discarded_bad=st.discarded_bad,
         kernel_max_err=st.kernel_max_err,
         kernel_tol=KERNEL_TOL[dtype] if kernel is not None else None,
         kernel_note=why, kernel_failed=rp.kernel_failed, seconds=time.perf_counter() - t0)
@@ -571,7 +597,9 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
     lines.append(f"  max error {rep.max_err:.3g}, NaN reads {rep.nan_reads}"
                  + (f", writes to NULL dropped {rep.null_writes}" if rep.null_writes else "")
                  + (f", blocks overwritten by the unordered writer {rep.foreign_writes}"
-                    if rep.foreign_writes else ""))
+                    if rep.foreign_writes else "")
+                 + (f", discarded outputs that read NaN/garbage {rep.discarded_bad} (not judged)"
+                    if rep.discarded_bad else ""))
     if rep.kernel_failed:
         lines.append(f"  vLLM kernel FAILED: {rep.kernel_failed}")
     if rep.kernel_max_err is not None:
@@ -603,7 +631,7 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
     for r in shown:
         mark = ">>" if r.verdict in ("nan", "garbled") else "  "
         pos = f"[{r.positions[0]},{r.positions[1]})"
-        err = "-" if r.verdict == "discarded" else f"{r.max_abs_err:.2e}"
+        err = f"{r.max_abs_err:.2e}"
         extra = f"  {r.note}" if r.note else ""
         lines.append(f"{mark}{r.step:>4}  {r.request:<{w}}  {pos:>11}  {err:>9}  "
                      f"{r.nan_reads:>4}  {r.verdict}{extra}")

@@ -121,6 +121,21 @@ def test_hand_rejection_shift_reads_null():
     assert ok.rows[1].positions == (29, 30)
 
 
+def test_hand_null_read_of_a_discarded_output_is_shown_not_judged():
+    """The rejection shifts step 2 onto NULL, then r0 is preempted: step 2 still
+    runs and reads NaN, but nobody uses its output."""
+    evs = _spec_stream("optimistic")
+    evs.insert(6, [FreeObs(b, 0, "r0", lg, "preempt") for b, lg in ((3, 2), (2, 1))])
+    evs[-1] = [ProcessObs(2, discarded=("r0",))]
+    rep = run_observations(_cfg(policy="optimistic", spec_tokens=2), {"r0": 29}, evs,
+                           device="cpu")
+    assert rep.ok and rep.nan_reads == 0 and rep.discarded_bad == 1
+    last = rep.rows[-1]
+    assert last.verdict == "discarded" and last.nan_reads == 1
+    assert "preempt" in last.note and "shifted -2" in last.note and "read NaN" in last.note
+    assert "not judged" in format_report(rep)
+
+
 def test_hand_stale_draft_is_garbled_when_not_rewritten():
     """A manager that forgot to roll back after a rejection schedules [32, 35)
     although 30 and 31 were rejected: position 32 reads the rejected drafts'
@@ -144,6 +159,19 @@ def test_hand_discarded_outputs_are_not_checked_but_still_write():
     # under the unordered writer the preempt is a hazard, but nobody reads
     rep = run_observations(_cfg(hazard="unordered"), {"r0": 100}, evs, device="cpu")
     assert rep.ok and rep.foreign_writes == 7
+
+
+def test_hand_restart_after_preemption_is_checked():
+    """vLLM 0.25.1 resumes a preempted request at once: its old step's output
+    is discarded, the restart's step (scheduled while the old one is still in
+    flight) is checked."""
+    evs = [[], [*_allocs("r0", [1, 2, 3, 4]), _step(0, "r0", 0, 64, [1, 2, 3, 4])],
+           [FreeObs(b, 0, "r0", b - 1, "preempt") for b in (4, 3, 2, 1)],
+           [*_allocs("r0", [5, 6, 7, 8]), _step(1, "r0", 0, 64, [5, 6, 7, 8])],
+           [ProcessObs(0, discarded=("r0",))], [ProcessObs(1, (("r0", 0),))]]
+    rep = run_observations(_cfg(hazard="unordered"), {"r0": 100}, evs, device="cpu")
+    assert [r.verdict for r in rep.rows] == ["discarded", "ok"]
+    assert rep.ok and rep.positions == 64
 
 
 def _load_stream():
