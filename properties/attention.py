@@ -39,6 +39,9 @@ What runs when (the device timeline this replay models)::
   write and the read (the worst interleaving of two unordered streams). Later
   owners' writes land as they run; a connector's load for a newly scheduled
   step lands at schedule time, before pending kernels run.
+  ``hazard = "ordered"`` (stream order): only kernels write, in step order,
+  and a connector's load lands just before its own step's kernel; a kernel
+  sees the writes of the steps that ran before it and its own.
 * Mamba (assumption, as in :mod:`model.windows`): the recurrent state read by
   position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``.
 * One layer per group: a bad read garbles that position's output, not the
