@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""The nightly fuzz job (``make nightly``): every target x kind x policy that
+should hold, fuzzed in parallel for a time budget, with a persistent example
+database, and a report a reviewer can read in the morning.
+
+    NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py [--reports DIR] [--db DIR]
+
+The matrix (see :func:`build_matrix`): the reference target under the
+``settled`` policy for full, sliding, chunked_local, mamba and hybrid; the
+newest supported vLLM release (``vllm@0.33.0``) for each kind it supports,
+under its own policy. A target that cannot be loaded is a failed row that
+says why, never a silent omission. ``KVCHECK_NIGHTLY_MATRIX`` restricts or
+extends it, entries separated by commas::
+
+    reference:sliding:optimistic:depth=2   only this row (and any others named)
+    reference:*                            keep the default rows matching (fnmatch)
+    +vllm@0.25.1:sliding                   the default rows plus this one
+    -vllm@*                                the default rows without these
+
+An entry is ``TARGET:KIND[:POLICY][:KEY=VALUE...]`` with keys ``depth``,
+``spec_tokens``, ``hazard``, ``prefix_caching``, ``block_size``, ``external``,
+``steps``; a JSON list of such objects works too.
+
+Why pytest-xdist and not HypoFuzz: the rows are independent, time-boxed
+Hypothesis runs, and xdist (pinned in requirements.txt, already how ``make
+test`` runs) spreads them over the machine's cores and gives the JUnit file CI
+reads, with no server. HypoFuzz is not pinned here, schedules test functions
+rather than time-boxed rows with a verdict each, and reports through its
+dashboard rather than a JUnit file; the persistent database we share with it
+would be the only common part anyway. One worker per core, each row gets
+``budget * workers / rows`` seconds (less the start-up reserve).
+
+The example database is the directory ``.hypothesis/kvcheck`` (``--db``), or
+Redis when ``KVCHECK_REDIS_URL`` is set (:func:`properties.database.open_database`):
+a failure found once is saved there and replayed first on every later night,
+and ``summary.json`` says so per row (``replayed_from_database``,
+``examples_to_fail``).
+
+Writes into ``reports/``: ``junit.xml`` (pytest), ``summary.json``,
+``summary.md``, and per failing row under ``counterexamples/`` the trace,
+its picture (``.png``) and a pytest reproducer (``test_*.py``).
+Exit status: 0 every row holds, 1 a row failed, 2 a bad matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
+DEFAULT_VLLM = "vllm@0.33.0"
+KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
+         "block_size": int, "external": bool, "steps": int}
+TEST_FILE = "tests/nightly/test_nightly_fuzz.py"
+
+
+class MatrixError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------ matrix
+
+
+def row_id(target: str, kind: str, policy: str, knobs: dict) -> str:
+    parts = [target.replace("@", "-").replace("/", "_").replace(":", "_"), kind, policy]
+    parts += [f"{k}{_knob_text(v)}" for k, v in sorted(knobs.items())]
+    return "-".join(parts)
+
+
+def _knob_text(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
+def _probe(target: str, cache: dict) -> tuple[object | None, str | None]:
+    """Build the target once: (capabilities, None) or (None, why not)."""
+    if target not in cache:
+        try:
+            from impl.target import make_target
+
+            t = make_target(target)
+            cache[target] = (t.capabilities, None)
+            close = getattr(t, "close", None)
+            if callable(close):
+                close()
+        except Exception as e:  # noqa: BLE001 - any reason is reported in the row
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            cache[target] = (None, f"target {target} unavailable: {type(e).__name__}: {msg}")
+    return cache[target]
+
+
+def make_row(target: str, kind: str, policy: str | None, knobs: dict, cache: dict,
+             source: str) -> dict:
+    caps, why = _probe(target, cache)
+    fixed = getattr(caps, "fixed_policy", None) if caps is not None else None
+    policy = policy or fixed or "settled"
+    if caps is not None and why is None:
+        if kind not in caps.kinds:
+            why = f"target {target} does not support kind {kind}"
+        elif fixed and policy not in (fixed, "settled"):
+            why = f"target {target} implements the {fixed} policy, not {policy}"
+        elif fixed:
+            policy = fixed
+    return {"id": row_id(target, kind, policy, knobs), "target": target, "kind": kind,
+            "policy": policy, "knobs": knobs, "unavailable": why, "source": source}
+
+
+def default_matrix(cache: dict, vllm: str = DEFAULT_VLLM) -> tuple[list[dict], list[str]]:
+    """The rows that should hold, and notes on kinds a target does not support."""
+    rows = [make_row("reference", k, "settled", {}, cache, "default") for k in KINDS]
+    notes = []
+    caps, why = _probe(vllm, cache)
+    if caps is None:
+        rows.append({"id": row_id(vllm, "all", "-", {}), "target": vllm, "kind": "all",
+                     "policy": "-", "knobs": {}, "unavailable": why, "source": "default"})
+    else:
+        for k in KINDS:
+            if k in caps.kinds:
+                rows.append(make_row(vllm, k, None, {}, cache, "default"))
+            else:
+                notes.append(f"{vllm} does not support {k}: not in the matrix")
+    return rows, notes
+
+
+def parse_entry(text: str, cache: dict, source: str) -> dict:
+    fields = [f.strip() for f in text.split(":")]
+    ki = next((i for i, f in enumerate(fields) if f in KINDS and i > 0), None)
+    if ki is None:
+        raise MatrixError(f"matrix entry {text!r}: expected TARGET:KIND[:POLICY][:KEY=VALUE...] "
+                          f"with KIND one of {', '.join(KINDS)}")
+    target = ":".join(fields[:ki])
+    kind = fields[ki]
+    rest = fields[ki + 1:]
+    policy = None
+    if rest and "=" not in rest[0]:
+        policy = rest.pop(0) or None
+    knobs = {}
+    for kv in rest:
+        if "=" not in kv:
+            raise MatrixError(f"matrix entry {text!r}: {kv!r} is not KEY=VALUE")
+        k, v = kv.split("=", 1)
+        knobs.update(_knob(k.strip(), v.strip(), text))
+    if policy is not None:
+        from model.policy import REGISTRY
+
+        if policy not in REGISTRY:
+            raise MatrixError(f"matrix entry {text!r}: unknown policy {policy!r} "
+                              f"(known: {', '.join(REGISTRY)})")
+    return make_row(target, kind, policy, knobs, cache, source)
+
+
+def _knob(k: str, v, where: str) -> dict:
+    if k not in KNOBS:
+        raise MatrixError(f"matrix entry {where!r}: unknown key {k!r} (known: {', '.join(KNOBS)})")
+    typ = KNOBS[k]
+    try:
+        if typ is bool:
+            if isinstance(v, bool):
+                return {k: v}
+            if str(v).lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+                raise ValueError(v)
+            return {k: str(v).lower() in ("1", "true", "on", "yes")}
+        return {k: typ(v)}
+    except (TypeError, ValueError):
+        raise MatrixError(f"matrix entry {where!r}: {k}={v!r} is not a {typ.__name__}") from None
+
+
+def build_matrix(spec: str | None, cache: dict | None = None) -> tuple[list[dict], list[str]]:
+    """The rows to run, from the default matrix and ``KVCHECK_NIGHTLY_MATRIX``."""
+    cache = {} if cache is None else cache
+    spec = (spec or "").strip()
+    if spec.startswith("["):
+        try:
+            items = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise MatrixError(f"KVCHECK_NIGHTLY_MATRIX: not valid JSON ({e.msg})") from None
+        rows = []
+        for it in items:
+            if not isinstance(it, dict) or "target" not in it or "kind" not in it:
+                raise MatrixError(f"matrix entry {it!r}: needs 'target' and 'kind'")
+            knobs = {}
+            for k, v in it.items():
+                if k not in ("target", "kind", "policy"):
+                    knobs.update(_knob(k, v, json.dumps(it)))
+            entry = ":".join([it["target"], it["kind"], it.get("policy") or ""])
+            row = parse_entry(entry, cache, "env")
+            row = make_row(row["target"], row["kind"], it.get("policy"), knobs, cache, "env")
+            rows.append(row)
+        return _dedupe(rows), []
+    entries = [e.strip() for e in spec.replace(";", ",").split(",") if e.strip()]
+    plus = [e[1:] for e in entries if e.startswith("+")]
+    minus = [e[1:] for e in entries if e.startswith("-")]
+    plain = [e for e in entries if e[0] not in "+-"]
+    patterns = [e for e in plain if any(c in e for c in "*?[")]
+    explicit = [e for e in plain if e not in patterns]
+    notes: list[str] = []
+    if explicit and not patterns:
+        rows = []
+    else:
+        rows, notes = default_matrix(cache)
+        if patterns:
+            rows = [r for r in rows if any(_match(r, p) for p in patterns)]
+    rows += [parse_entry(e, cache, "env") for e in explicit]
+    rows += [parse_entry(e, cache, "env") for e in plus]
+    rows = [r for r in rows if not any(_match(r, p) for p in minus)]
+    if not rows:
+        raise MatrixError(f"KVCHECK_NIGHTLY_MATRIX={spec!r} leaves no row to run")
+    return _dedupe(rows), notes
+
+
+def _match(row: dict, pattern: str) -> bool:
+    name = f"{row['target']}:{row['kind']}:{row['policy']}"
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ":*")
+
+
+def _dedupe(rows: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for r in rows:
+        if r["id"] not in seen:
+            seen.add(r["id"])
+            out.append(r)
+    return out
+
+
+# ------------------------------------------------------------------- run
+
+
+def _db_label(db: str) -> str:
+    url = os.environ.get("KVCHECK_REDIS_URL")
+    if url:
+        host = url.split("@")[-1]  # never print a password
+        return f"redis {host}"
+    return f"directory {db}"
+
+
+def run(minutes: float, reports: Path, db: str, workers: int | None = None,
+        matrix_spec: str | None = None, python: str = sys.executable) -> int:
+    t0 = time.time()
+    started = datetime.now(UTC)
+    reports.mkdir(parents=True, exist_ok=True)
+    for sub in ("rows", "counterexamples"):
+        shutil.rmtree(reports / sub, ignore_errors=True)
+    for f in ("junit.xml", "summary.json", "summary.md"):
+        (reports / f).unlink(missing_ok=True)
+    try:
+        rows, notes = build_matrix(matrix_spec)
+    except MatrixError as e:
+        print(f"nightly: {e}", file=sys.stderr)
+        return 2
+    budget = max(1.0, minutes * 60)
+    setup_s = time.time() - t0
+    ncpu = os.cpu_count() or 1
+    workers = max(1, min(workers or ncpu, len(rows)))
+    reserve = min(90.0, max(6.0, 0.15 * budget)) + setup_s
+    waves = -(-len(rows) // workers)
+    per_row = max(3.0, (budget - reserve) / waves)
+    matrix_file = reports / "matrix.json"
+    matrix_file.write_text(json.dumps({"rows": rows, "seconds": per_row, "db": db,
+                                       "reports": str(reports.resolve())}, indent=1))
+    junit = reports / "junit.xml"
+    cmd = [python, "-m", "pytest", TEST_FILE, "-n", str(workers), "-q", "-rN",
+           f"--junitxml={junit}", "-o", "junit_suite_name=kvcheck-nightly",
+           "-o", "junit_family=xunit2", "--tb=short"]
+    env = dict(os.environ, KVCHECK_NIGHTLY_MATRIX_FILE=str(matrix_file.resolve()))
+    print(f"nightly: {len(rows)} rows on {workers} worker(s), {per_row:.0f}s each, "
+          f"budget {minutes:g} min, database {_db_label(db)}", flush=True)
+    timeout = budget + max(120.0, 0.5 * budget)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True,
+                           text=True)
+        pytest_rc, pytest_out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        pytest_rc = -1
+        pytest_out = f"pytest ran past {timeout:.0f}s and was stopped\n" + (
+            e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
+    (reports / "pytest.log").write_text(pytest_out)
+    summary = collect(rows, reports, junit, pytest_rc, pytest_out)
+    summary.update({
+        "started": started.isoformat(timespec="seconds"),
+        "seconds": round(time.time() - t0, 1),
+        "minutes": minutes, "workers": workers, "cpus": ncpu,
+        "per_row_seconds": round(per_row, 1), "database": _db_label(db), "notes": notes,
+    })
+    (reports / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    md = format_markdown(summary, reports)
+    (reports / "summary.md").write_text(md)
+    print(md)
+    return 0 if summary["ok"] else 1
+
+
+def _junit_cases(junit: Path) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    if not junit.exists():
+        return out
+    try:
+        tree = ET.parse(junit)
+    except ET.ParseError:
+        return out
+    for tc in tree.iter("testcase"):
+        name = tc.get("name", "")
+        rid = name[name.find("[") + 1:-1] if "[" in name else name
+        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+        out[rid] = {"outcome": "failed" if bad is not None else
+                    "skipped" if tc.find("skipped") is not None else "passed",
+                    "message": (bad.get("message") or "")[:500] if bad is not None else "",
+                    "time": float(tc.get("time") or 0)}
+    return out
+
+
+def collect(rows: list[dict], reports: Path, junit: Path, pytest_rc: int,
+            pytest_out: str) -> dict:
+    cases = _junit_cases(junit)
+    out_rows = []
+    for row in rows:
+        f = reports / "rows" / f"{row['id']}.json"
+        res = json.loads(f.read_text()) if f.exists() else None
+        case = cases.get(row["id"])
+        if res is None:
+            res = {**row, "verdict": "NO RESULT", "ok": False,
+                   "detail": (case or {}).get("message") or "the test wrote no result "
+                             "(crashed or stopped); see pytest.log"}
+        if case is not None and case["outcome"] != "passed" and res.get("ok"):
+            res = {**res, "ok": False, "verdict": "FAILED",
+                   "detail": case["message"]}
+        res["junit"] = case["outcome"] if case else "missing"
+        out_rows.append(res)
+    ok = bool(out_rows) and all(r["ok"] for r in out_rows) and pytest_rc == 0
+    tail = "\n".join(pytest_out.strip().splitlines()[-15:])
+    return {"ok": ok, "passed": sum(1 for r in out_rows if r["ok"]),
+            "failed": sum(1 for r in out_rows if not r["ok"]), "rows": out_rows,
+            "pytest_exit": pytest_rc, "pytest_tail": tail if pytest_rc not in (0, 1) else "",
+            "junit": str(junit)}
+
+
+def _rel(p: str | None, base: Path) -> str | None:
+    if not p:
+        return None
+    try:
+        return os.path.relpath(p, base)
+    except ValueError:
+        return p
+
+
+def format_markdown(s: dict, reports: Path) -> str:
+    head = "PASS" if s["ok"] else f"FAIL: {s['failed']} of {len(s['rows'])} rows"
+    lines = [f"# kvcheck nightly: {head}", "",
+             f"{s['started']}, {s['seconds']:.0f}s: budget {s['minutes']:g} min, "
+             f"{len(s['rows'])} rows on {s['workers']} worker(s) ({s['cpus']} CPUs), "
+             f"{s['per_row_seconds']:.0f}s per row; example database: {s['database']}", "",
+             "| row | verdict | examples | ex/s | events | witnesses | s | counterexample |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
+    for r in s["rows"]:
+        ev = sum((r.get("events") or {}).values())
+        wit = r.get("witnesses") or {}
+        exp = r.get("expected") or []
+        wtxt = f"{sum(1 for w in exp if wit.get(w))}/{len(exp)}" if exp else "-"
+        verdict = r["verdict"]
+        if r.get("examples_to_fail"):
+            verdict += f" at example {r['examples_to_fail']}"
+        if r.get("replayed_from_database"):
+            verdict += " (replayed from the database)"
+        links = []
+        for key, label in (("png", "picture"), ("reproducer", "reproducer"), ("trace", "trace")):
+            rel = _rel(r.get(key), reports)
+            if rel:
+                links.append(f"[{label}]({rel})")
+        lines.append(f"| `{r['id']}` | {verdict} | {r.get('examples', 0)} | "
+                     f"{r.get('examples_per_s', 0):.1f} | {ev} | {wtxt} | "
+                     f"{r.get('seconds', 0):.0f} | {' '.join(links)} |")
+    bad = [r for r in s["rows"] if not r["ok"]]
+    if bad:
+        lines += ["", "## Failures"]
+        for r in bad:
+            lines += ["", f"### `{r['id']}`: {r['verdict']}", "", r.get("detail") or ""]
+            if r.get("vacuous"):
+                lines.append(f"never reached: {', '.join(r['vacuous'])}")
+            if r.get("png"):
+                lines += ["", f"![{r['id']}]({_rel(r['png'], reports)})"]
+            if r.get("reproducer"):
+                lines += ["", f"reproduce: `.venv/bin/python -m pytest {r['reproducer']}`"]
+            if r.get("trace"):
+                lines += [f"replay: `./kvcheck replay {r['trace']} --target {r['target']}`"]
+    if s.get("notes"):
+        lines += ["", "## Not in the matrix", ""] + [f"- {n}" for n in s["notes"]]
+    if s.get("pytest_tail"):
+        lines += ["", f"## pytest exit {s['pytest_exit']}", "", "```", s["pytest_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="nightly", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py\n"
+               "  KVCHECK_NIGHTLY_MATRIX='reference:*' .venv/bin/python scripts/nightly.py "
+               "--minutes 5")
+    ap.add_argument("--minutes", type=float,
+                    default=float(os.environ.get("NIGHTLY_MINUTES") or 30),
+                    help="time budget for the whole job (default $NIGHTLY_MINUTES or 30)")
+    ap.add_argument("--reports", default=os.environ.get("KVCHECK_NIGHTLY_REPORTS", "reports"))
+    ap.add_argument("--db", default=os.environ.get("KVCHECK_NIGHTLY_DB", ".hypothesis/kvcheck"),
+                    help="example database directory (ignored when KVCHECK_REDIS_URL is set)")
+    ap.add_argument("--workers", type=int, default=None, help="default: one per CPU")
+    a = ap.parse_args(argv)
+    if a.minutes <= 0:
+        ap.error("--minutes must be positive")
+    db = a.db if os.path.isabs(a.db) else str((Path.cwd() / a.db).resolve())
+    return run(a.minutes, Path(a.reports).resolve(), db, a.workers,
+               os.environ.get("KVCHECK_NIGHTLY_MATRIX"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

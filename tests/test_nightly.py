@@ -1,0 +1,212 @@
+"""The nightly job: its matrix, an end-to-end run on a tiny matrix (reports,
+JUnit, a failure replayed first on the second night), and the Redis-backed
+example database against a real ``redis-server``."""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from impl.target import Capabilities
+from tests.nightly.runner import fuzz_for, run_row
+
+ROOT = Path(__file__).resolve().parent.parent
+NIGHTLY = ROOT / "scripts" / "nightly.py"
+
+
+def load_nightly():
+    spec = importlib.util.spec_from_file_location("kvcheck_nightly", NIGHTLY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def vllm_cache(kinds=("full", "sliding")):
+    """A probe cache standing in for an installed vLLM (no vLLM start-up)."""
+    caps = Capabilities(kinds=frozenset(kinds), fixed_policy="settled")
+    return {"vllm@0.33.0": (caps, None), "reference": (Capabilities(), None)}
+
+
+# ----------------------------------------------------------------- matrix
+
+
+def test_default_matrix_and_restrictions():
+    nightly = load_nightly()
+    rows, notes = nightly.build_matrix(None, vllm_cache())
+    ids = [r["id"] for r in rows]
+    assert ids == ["reference-full-settled", "reference-sliding-settled",
+                   "reference-chunked_local-settled", "reference-mamba-settled",
+                   "reference-hybrid-settled", "vllm-0.33.0-full-settled",
+                   "vllm-0.33.0-sliding-settled"]
+    assert all(r["unavailable"] is None for r in rows)
+    assert any("mamba" in n for n in notes)  # said, not silently dropped
+    only = nightly.build_matrix("reference:sliding:optimistic:depth=2", vllm_cache())[0]
+    assert [(r["id"], r["knobs"]) for r in only] == [
+        ("reference-sliding-optimistic-depth2", {"depth": 2})]
+    ref = nightly.build_matrix("reference:*", vllm_cache())[0]
+    assert len(ref) == 5 and {r["target"] for r in ref} == {"reference"}
+    plus = nightly.build_matrix("+reference:sliding:optimistic:depth=2", vllm_cache())[0]
+    assert len(plus) == 8 and plus[-1]["policy"] == "optimistic"
+    minus = nightly.build_matrix("-vllm@*", vllm_cache())[0]
+    assert len(minus) == 5
+    js = nightly.build_matrix('[{"target": "reference", "kind": "mamba", "spec_tokens": 2}]',
+                              vllm_cache())[0]
+    assert js[0]["id"] == "reference-mamba-settled-spec_tokens2"
+
+
+def test_missing_target_is_a_failed_row_not_silence(tmp_path):
+    nightly = load_nightly()
+    cache = {"vllm@0.33.0": (None, "target vllm@0.33.0 unavailable: TargetError: not installed")}
+    rows, _ = nightly.build_matrix(None, cache)
+    missing = [r for r in rows if r["target"] == "vllm@0.33.0"]
+    assert len(missing) == 1 and "not installed" in missing[0]["unavailable"]
+    res = run_row(missing[0], 1, str(tmp_path / "db"), tmp_path / "reports")
+    assert not res["ok"] and res["verdict"] == "UNAVAILABLE" and "not installed" in res["detail"]
+    assert (tmp_path / "reports" / "rows" / f"{missing[0]['id']}.json").is_file()
+
+
+@pytest.mark.parametrize("entry", ["reference:ring", "reference:sliding:hopeful",
+                                   "reference:sliding:optimistic:depth=x",
+                                   "reference:sliding:settled:colour=red", "sliding"])
+def test_bad_matrix_entries(entry):
+    nightly = load_nightly()
+    with pytest.raises(nightly.MatrixError):
+        nightly.build_matrix(entry, vllm_cache())
+
+
+# -------------------------------------------------------------- end to end
+
+
+def run_nightly(tmp_path, matrix, minutes="0.3"):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVCHECK_REDIS_URL", "KVCHECK_NIGHTLY_MATRIX_FILE")
+           and not k.startswith("PYTEST_XDIST")}
+    env.update(NIGHTLY_MINUTES=minutes, KVCHECK_NIGHTLY_MATRIX=matrix)
+    t0 = time.time()
+    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "reports"),
+                        "--db", str(tmp_path / "db")], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=600)
+    return p.returncode, p.stdout + p.stderr, time.time() - t0
+
+
+def test_nightly_end_to_end_and_replay_first(tmp_path):
+    matrix = "reference:sliding:optimistic:depth=2,vllm@9.9.9:sliding,reference:full:settled"
+    bad_id, missing_id, good_id = ("reference-sliding-optimistic-depth2",
+                                   "vllm-9.9.9-sliding-settled", "reference-full-settled")
+    rc, out, secs = run_nightly(tmp_path, matrix)
+    assert rc == 1, out
+    rep = tmp_path / "reports"
+    for f in ("junit.xml", "summary.json", "summary.md"):
+        assert (rep / f).is_file(), f"{f} missing:\n{out}"
+    suite = ET.parse(rep / "junit.xml").getroot()
+    cases = {tc.get("name"): tc for tc in suite.iter("testcase")}
+    assert set(cases) == {f"test_row[{i}]" for i in (bad_id, missing_id, good_id)}
+    assert cases[f"test_row[{bad_id}]"].find("failure") is not None
+    assert cases[f"test_row[{missing_id}]"].find("failure") is not None
+    assert cases[f"test_row[{good_id}]"].find("failure") is None
+    s = json.loads((rep / "summary.json").read_text())
+    rows = {r["id"]: r for r in s["rows"]}
+    assert not s["ok"] and s["failed"] == 2 and s["passed"] == 1
+    bad = rows[bad_id]
+    assert bad["verdict"].startswith("VIOLATION p1") and bad["examples_to_fail"] >= 1
+    for key in ("png", "reproducer", "trace"):
+        assert Path(bad[key]).is_file(), key
+    assert Path(bad["png"]).read_bytes()[:4] == b"\x89PNG"
+    assert rows[missing_id]["verdict"] == "UNAVAILABLE" and "9.9.9" in rows[missing_id]["detail"]
+    assert rows[good_id]["verdict"] == "holds" and rows[good_id]["examples"] > 0
+    md = (rep / "summary.md").read_text()
+    assert "FAIL: 2 of 3 rows" in md and f"![{bad_id}]" in md and "UNAVAILABLE" in md
+    assert any((tmp_path / "db").rglob("*")), "the failure was not saved in the database"
+    assert secs < 0.3 * 60 + 90, f"the job overran its budget: {secs:.0f}s"
+
+    # the next night: the saved failure is replayed before anything new
+    rc, out, _ = run_nightly(tmp_path, matrix)
+    assert rc == 1, out
+    rows = {r["id"]: r for r in json.loads((rep / "summary.json").read_text())["rows"]}
+    again = rows[bad_id]
+    assert again["replayed_from_database"] >= 1, again
+    assert again["examples_to_fail"] == 1, again
+    assert Path(again["png"]).is_file()
+
+
+# ------------------------------------------------------------------ Redis
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed: `apt-get install -y redis-server` "
+                    "(.ci/run installs it before `make test`)")
+    import redis
+
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    pytest.fail(f"redis-server exited: {proc.stdout.read().decode()[-500:]}")
+                time.sleep(0.1)
+        else:
+            pytest.fail("redis-server did not answer within 10 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_redis_database_replays_a_failure_first(tmp_path, redis_url, monkeypatch):
+    import redis
+    from hypothesis.extra.redis import RedisExampleDatabase
+
+    from properties.database import open_database
+    from properties.machine import FuzzSpec
+
+    monkeypatch.setenv("KVCHECK_REDIS_URL", redis_url)
+    unused = tmp_path / "not-a-directory-db"
+    db = open_database(unused)
+    assert isinstance(db, RedisExampleDatabase)
+    spec = FuzzSpec(kind="sliding", policy="optimistic", depth=2)
+    first = fuzz_for(spec, 20, db)
+    assert first["result"].violation is not None
+    client = redis.Redis.from_url(redis_url)
+    assert client.keys("kvcheck:*"), "nothing saved in Redis"
+    assert not unused.exists()
+    # a new connection, as the next night would open: the failure comes first
+    again = fuzz_for(spec, 20, open_database(unused))
+    assert again["result"].violation is not None
+    assert again["replayed_from_database"] >= 1 and again["examples_to_fail"] == 1
+    # and a nightly row on the same database says so in its result
+    row = {"id": "reference-sliding-optimistic-depth2", "target": "reference",
+           "kind": "sliding", "policy": "optimistic", "knobs": {"depth": 2},
+           "unavailable": None}
+    res = run_row(row, 10, str(unused), tmp_path / "reports")
+    assert res["verdict"].startswith("VIOLATION p1") and res["examples_to_fail"] == 1
+    assert res["replayed_from_database"] >= 1
+    assert (tmp_path / "reports" / "rows" / f"{row['id']}.json").is_file()
