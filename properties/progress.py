@@ -14,6 +14,7 @@ follows on a clean line.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any, TextIO
@@ -70,6 +71,9 @@ class Progress:
     def _draw(self, now: float) -> None:
         text = self.line(now)
         if self.tty:
+            cols = shutil.get_terminal_size((100, 24)).columns - 1
+            if len(text) > cols:  # a wrapped line cannot be redrawn with \r
+                text = text[:max(10, cols - 1)] + "…"
             pad = max(0, self.width - len(text))
             self.stream.write("\r" + text + " " * pad)
             self.width = len(text)

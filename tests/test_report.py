@@ -241,9 +241,10 @@ def _machine(examples, events):
     return cls()
 
 
-def test_progress_tty_single_line():
+def test_progress_tty_single_line(monkeypatch):
     from properties.progress import Progress
 
+    monkeypatch.setenv("COLUMNS", "200")
     s, clock = io.StringIO(), FakeClock()
     p = Progress("fuzz reference sliding/settled", stream=s, tty=True, clock=clock)
     for i in range(1, 41):
@@ -256,6 +257,12 @@ def test_progress_tty_single_line():
     assert "Schedule 273" in last and "Process 117" in last
     p.close()
     assert s.getvalue().endswith("\r")
+    monkeypatch.setenv("COLUMNS", "40")  # never wider than the terminal
+    s2 = io.StringIO()
+    p2 = Progress("fuzz", stream=s2, tty=True, clock=clock)
+    clock.t += 1
+    p2("setup", _machine(5, {"Schedule": 5, "Process": 4, "AddRequest": 3}))
+    assert max(len(x) for x in s2.getvalue().split("\r")) <= 39
 
 
 def test_progress_quiet_off_a_terminal():
