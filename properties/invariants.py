@@ -401,9 +401,10 @@ class Checker:
                 for later in self._live_pending(rid):
                     later.shift += rejected
                     self._check_reads(later, f"shifted down {later.shift} by rejection")
-        for rid in discarded:
-            for later in self._live_pending(rid):
-                later.dead = True
+        # A discarded output says nothing about later steps: a request that
+        # resumed at once after a preemption (vLLM 0.25.1) has live steps after
+        # the discarded ones; those scheduled before the preemption were marked
+        # dead when the request stopped running.
 
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
