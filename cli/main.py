@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where counterexample traces are saved (default counterexamples/)")
     f.add_argument("--attention-every", type=int, default=0, metavar="N",
                    help="also confirm every Nth example numerically with attention replay")
+    f.add_argument("--props", default="1,2,3,4,5,6", metavar="LIST",
+                   help="the properties to enforce, e.g. 2 to look for null reads past "
+                        "freed-while-read (default all)")
     f.add_argument("--quiet", action="store_true")
     f.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="after a violation also write <out>/<name>.png (blocks against events) "
@@ -138,7 +141,8 @@ def cmd_fuzz(a) -> int:
     spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
                     spec_tokens=a.spec_tokens, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
-                    block_size=a.block_size, external=not a.no_external, max_steps=a.steps)
+                    block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
+                    props=_parse_props(a.props))
     _validate_spec(spec, a)
     db = None
     if a.db:
@@ -186,6 +190,16 @@ def cmd_fuzz(a) -> int:
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
+
+
+def _parse_props(text: str) -> frozenset[int]:
+    try:
+        props = frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--props {text!r}: a comma-separated list of 1-6") from None
+    if not props or not props <= {1, 2, 3, 4, 5, 6}:
+        raise UsageError(f"--props {text!r}: a comma-separated list of 1-6")
+    return props
 
 
 def _validate_spec(spec, a) -> None:

@@ -67,10 +67,12 @@ class FuzzSpec:
     block_size: int | None = None
     external: bool = True  # whether requests may carry connector-loaded tokens
     max_steps: int = 30
+    props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6})  # the properties enforced
 
     def key(self) -> str:
         return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
-                f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}")
+                f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
+                + ("" if len(self.props) == 6 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
 @dataclass
@@ -149,7 +151,7 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.events[type(ev).__name__] += 1
         if obs.counters is not None:
             self.counters = obs.counters
-        violations = self.checker.feed(ev, obs)
+        violations = [v for v in self.checker.feed(ev, obs) if v.prop in self.spec.props]
         if violations:
             cls.last["violation"] = violations[0]
             raise PropertyFailed(violations[0])
@@ -319,9 +321,11 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     if result.violation is not None or result.crash is not None:
         last = cls.last
         if last.get("config") is not None:
-            result.trace = Trace(last["config"], list(last["events"]),
-                                 meta={"target": spec.target,
-                                       "violation": str(result.violation or "target crash")})
+            meta = {"target": spec.target,
+                    "violation": str(result.violation or "target crash")}
+            if len(spec.props) < 6:
+                meta["props"] = sorted(spec.props)
+            result.trace = Trace(last["config"], list(last["events"]), meta=meta)
         if result.violation is None and "violation" in last:
             result.violation = last["violation"]
     return result

@@ -41,7 +41,11 @@ class ReplayResult:
 
 
 def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool = True,
-           ) -> ReplayResult:
+           props: frozenset[int] | None = None) -> ReplayResult:
+    """Run ``trace`` on ``target`` under the checker. ``props`` limits the
+    properties that count (default: the trace's ``meta.props``, else all)."""
+    if props is None and trace.meta.get("props"):
+        props = frozenset(trace.meta["props"])
     tgt = make_target(target) if isinstance(target, str) else target
     checker = Checker(trace.config)
     checker.feed(None, tgt.reset(trace.config))
@@ -60,10 +64,13 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
             crash = f"{tgt.name} raised on event {i} ({ev}):\n{traceback.format_exc()}"
             break
         vs = checker.feed(ev, obs)
+        if props is not None:
+            vs = [v for v in vs if v.prop in props]
         rows.append(Row(i, ev, obs, vs, {r: q.p for r, q in checker.reqs.items()}))
         if vs and stop_at_first:
             break
-    return ReplayResult(trace, rows, list(checker.violations), dict(checker.witness), crash)
+    found = [v for v in checker.violations if props is None or v.prop in props]
+    return ReplayResult(trace, rows, found, dict(checker.witness), crash)
 
 
 class InvalidEvent(ValueError):
