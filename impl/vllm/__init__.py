@@ -240,11 +240,25 @@ class VllmTarget:
     # -- process management
 
     def _w(self) -> _Worker:
+        """The worker, started (or restarted after a crash) if needed."""
         if self._worker is None or not self._worker.alive():
             self._worker = _Worker.get(self.inst)
             self._session = next(self._worker.sessions)
             weakref.finalize(self, _drop_session, self._worker, self._session)
         return self._worker
+
+    def _live_worker(self) -> _Worker:
+        """The worker this target's state lives in; a dead one is a crash (the
+        next ``reset`` starts a fresh one)."""
+        w = self._worker
+        if w is None or self._config is None:
+            raise TargetCrash(f"{self.name}: reset() first")
+        if not w.alive():
+            self._config = None
+            raise TargetCrash(
+                f"{self.name}: the worker process died (exit status {w.proc.poll()}):\n"
+                f"{w.log_tail()}")
+        return w
 
     def worker_info(self) -> dict[str, Any]:
         """What the worker reports: vLLM's version, file, in-flight tracking.
@@ -279,9 +293,11 @@ class VllmTarget:
         """Apply several events in one round trip; the same as one ``apply``
         each. On failure the exception carries ``.observed``: the results of
         the events before the one that failed."""
-        if self._config is None:
-            raise TargetCrash(f"{self.name}: reset() first")
-        reply = self._w().call("apply", self._session, list(events))
+        try:
+            reply = self._live_worker().call("apply", self._session, list(events))
+        except TargetCrash:
+            self._config = None
+            raise
         kind = reply[0]
         done = reply[1] if kind == "ok" else reply[2]
         for obs in done:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,9 @@ DRAFT_TOKEN = 9  # drafts proposed at depth 1 (async: vLLM's -1 placeholders)
 
 
 def prompt_token(t: int) -> int:
-    """Prompt token at position ``t``, the same for every request."""
-    return 100 + t % 800
+    """Prompt token at position ``t``: the same stream for every request (and
+    the same as the reference target's), so prefix caching hits across requests."""
+    return (t * 7919 + 17) % 32000
 
 
 class ConfigUnsupported(Exception):
@@ -149,7 +151,16 @@ class Driver:
         self.connector_mod = connector
         self.has_failed_recving = compat.has_failed_recving(outputs.KVConnectorOutput)
         self.sched: Any = None
-        self._depth_modes: dict[int, str] = {}
+        self._depth_modes: dict[int, tuple[type, bool, int]] = {}
+        self._vllm_configs: dict[tuple, Any] = {}
+
+    def warm_up(self) -> None:
+        """Build and drop one scheduler: the first one in a process pays for
+        vLLM's lazy imports (seconds); every later one takes milliseconds."""
+        from model.events import Group
+
+        self.reset(Config(groups=(Group("sliding", 16),)))
+        self.sched = None
 
     # ----------------------------------------------------------------- probe
 
@@ -248,11 +259,19 @@ class Driver:
         if cfg.max_model_len > MODEL_MAX_LEN:
             raise ConfigUnsupported(f"max_model_len {cfg.max_model_len} > {MODEL_MAX_LEN}")
         cls, async_, pp = self._depth_mode(cfg.depth)
-        try:
-            vc = self._make_vllm_config(cfg, cfg.depth, async_, pp)
-        except Exception as e:  # noqa: BLE001 - vLLM's config validation
-            raise ConfigUnsupported(f"vllm {self.version} refuses this config: "
-                                    f"{_one_line(e)}") from None
+        key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+               cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
+               cfg.hazard)
+        vc = self._vllm_configs.get(key)
+        if vc is None:
+            try:
+                vc = self._make_vllm_config(cfg, cfg.depth, async_, pp)
+            except Exception as e:  # noqa: BLE001 - vLLM's config validation
+                raise ConfigUnsupported(f"vllm {self.version} refuses this config: "
+                                        f"{_one_line(e)}") from None
+            if len(self._vllm_configs) > 256:
+                self._vllm_configs.clear()
+            self._vllm_configs[key] = vc
         if vc.max_concurrent_batches != cfg.depth:
             raise ConfigUnsupported(
                 f"vllm {self.version} runs {vc.max_concurrent_batches} batch(es) in flight, "
@@ -300,10 +319,10 @@ class Driver:
         self.next_step = 0
         self.reqs: dict[str, Any] = {}  # rid -> Request (also after it finished)
         self.table: dict[str, list[list[int]]] = {}  # rid -> per group: slot -> physical id
-        self.limbo: dict[str, list[int]] = {}  # rid -> per group: popped, not yet in the pool
+        self.live: dict[str, list[int]] = {}  # rid -> per group: blocks not yet in the pool
         self.owed: dict[int, list[tuple[int, str, int, str]]] = {}  # block -> (g, rid, slot, why)
         self.reasons: list[str] = []
-        self.window: list[tuple[int, str, list[Any]]] = []  # (group, rid, table before)
+        self.window: list[tuple[int, str]] = []  # inside remove_skipped_blocks(rid) of group
         self.fresh: set[int] = set()
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
@@ -344,12 +363,12 @@ class Driver:
 
         def allocate_slots_w(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid = request.request_id
-            before = [list(m.req_to_blocks.get(rid, ())) for m in self.mgrs]
+            before = [len(m.req_to_blocks.get(rid, ())) for m in self.mgrs]
             self.fresh = set()
             ret = allocate_slots(request, *args, **kwargs)
             for g, m in enumerate(self.mgrs):
                 after = m.req_to_blocks.get(rid)
-                if after:
+                if after and len(after) > before[g]:
                     self._record_allocs(g, rid, before[g], after)
             return ret
 
@@ -405,7 +424,7 @@ class Driver:
         remove_skipped = mgr.remove_skipped_blocks
 
         def remove_skipped_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
-            self.window.append((g, request_id, list(mgr.req_to_blocks.get(request_id, ()))))
+            self.window.append((g, request_id))
             try:
                 return remove_skipped(request_id, *args, **kwargs)
             finally:
@@ -432,7 +451,6 @@ class Driver:
                 self.owed.setdefault(id(b), []).append((g, request_id, slot, why))
                 held += 1
             tab[g] = []
-            self.limbo[request_id][g] += held
             return blocks
 
         mgr.pop_blocks_for_free = pop_blocks_w
@@ -440,10 +458,13 @@ class Driver:
     # ------------------------------------------------------ attributing frees
 
     def _pid(self, b: Any) -> int:
-        """Physical id in observations: the NULL block is 0 whatever vLLM numbers it."""
+        """Physical id in observations: the NULL block is 0 whatever vLLM numbers it
+        (it is 0 in every supported release; another numbering is swapped)."""
+        i = b.block_id
+        if self.null_id == NULL:
+            return i
         if b.is_null:
             return NULL
-        i = b.block_id
         return self.null_id if i == NULL else i
 
     def _vid(self, pid: int) -> int:
@@ -452,41 +473,43 @@ class Driver:
 
     def _attribute_free(self, b: Any) -> None:
         if self.window:
-            g, rid, before = self.window[-1]
-            for slot, x in enumerate(before):
-                if x is b:
-                    self._emit_free(b, g, rid, slot, "window")
-                    self.table[rid][g][slot] = NULL
-                    return
+            g, rid = self.window[-1]
+            tab = self.table[rid][g]
+            pid = self._pid(b)
+            if pid in tab:
+                slot = tab.index(pid)
+                tab[slot] = NULL
+                self.live[rid][g] -= 1
+                self.items.append(FreeObs(pid, g, rid, slot, "window"))
+                return
         owed = self.owed.get(id(b))
         if owed:
             g, rid, slot, why = owed.pop(0)
             if not owed:
                 del self.owed[id(b)]
-            self.limbo[rid][g] -= 1
-            self._emit_free(b, g, rid, slot, why)
+            self.live[rid][g] -= 1
+            self.items.append(FreeObs(self._pid(b), g, rid, slot, why))
             return
         raise InstrumentationError(
             f"block {self._pid(b)} returned to the pool by a path kvcheck cannot attribute")
 
-    def _emit_free(self, b: Any, g: int, rid: str, slot: int, why: str) -> None:
-        self.items.append(FreeObs(self._pid(b), g, rid, slot, why))
-
-    def _record_allocs(self, g: int, rid: str, before: list[Any], after: list[Any]) -> None:
-        if len(after) == len(before) and after[-1] is before[-1]:
-            return  # nothing appended (the common decode step)
-        seen = {id(x) for x in before}
+    def _record_allocs(self, g: int, rid: str, n: int, after: list[Any]) -> None:
+        """Blocks appended to the request's table of group ``g`` beyond slot ``n``
+        (vLLM only appends; an in-place change shows up as a table mismatch
+        when the request is next scheduled)."""
         tab = self.table[rid][g]
-        for slot, b in enumerate(after):
-            if b.is_null or id(b) in seen:
+        live = self.live[rid]
+        if len(tab) < n:
+            tab.extend([NULL] * (n - len(tab)))
+        for slot in range(n, len(after)):
+            b = after[slot]
+            if b.is_null:
+                tab.append(NULL)
                 continue
-            if len(tab) <= slot:
-                tab.extend([NULL] * (slot + 1 - len(tab)))
             pid = self._pid(b)
-            tab[slot] = pid
+            tab.append(pid)
+            live[g] += 1
             self.items.append(AllocObs(pid, g, rid, slot, cached=id(b) not in self.fresh))
-        if len(tab) < len(after):
-            tab.extend([NULL] * (len(after) - len(tab)))
 
     def _end_reason(self, request: Any) -> str:
         st = request.status
@@ -552,7 +575,7 @@ class Driver:
             self.connector.offers[ev.id] = ev.external_tokens
         self.reqs[ev.id] = req
         self.table[ev.id] = [[] for _ in self.mgrs]
-        self.limbo[ev.id] = [0] * len(self.mgrs)
+        self.live[ev.id] = [0] * len(self.mgrs)
         self.sched.add_request(req)
 
     def _schedule(self) -> None:
@@ -571,9 +594,12 @@ class Driver:
         for rid, n in out.num_scheduled_tokens.items():
             r = self.reqs[rid]
             end = r.num_computed_tokens
-            tables = tuple(
-                tuple(self._pid(b) for b in m.req_to_blocks.get(rid, ())) for m in self.mgrs
-            )
+            if self.null_id == NULL:
+                tables = tuple(tuple(map(_block_id, m.req_to_blocks.get(rid, ())))
+                               for m in self.mgrs)
+            else:
+                tables = tuple(tuple(self._pid(b) for b in m.req_to_blocks.get(rid, ()))
+                               for m in self.mgrs)
             mine = self.table[rid]
             for g, tab in enumerate(tables):
                 if list(tab) != mine[g]:
@@ -697,13 +723,15 @@ class Driver:
         for rid, r in self.reqs.items():
             if rid in self.quiet:
                 continue
-            live = tuple(sum(1 for x in tab if x != NULL) + lim
-                         for tab, lim in zip(self.table[rid], self.limbo[rid], strict=True))
+            live = tuple(self.live[rid])
             status = self._status(r)
             reqs[rid] = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
             if status == "finished" and not any(live):
                 self.quiet.add(rid)  # reported finished and empty once: left out from now on
         return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
+
+
+_block_id = attrgetter("block_id")
 
 
 def _one_line(e: BaseException) -> str:

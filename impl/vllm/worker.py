@@ -65,6 +65,7 @@ def main() -> None:
         )
 
         proto = Driver()
+        proto.warm_up()
         info = proto.info()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         send(out, ("crash", traceback.format_exc()))

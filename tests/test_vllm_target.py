@@ -1,0 +1,290 @@
+"""The ``vllm@VERSION`` target on the real vLLM releases (impl/vllm).
+
+Each test drives vLLM's own scheduler and KV-cache manager in a worker
+process and reads the observations back. They need the releases installed
+(``scripts/install-vllm.sh 0.25.1`` and ``0.33.0``; ``make test`` does it): a
+missing install FAILS the test with that command, it never skips.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from impl.target import Capabilities, TargetCrash, TargetError, Unsupported, make_target
+from model.events import (
+    Abort,
+    AddRequest,
+    FailLoad,
+    Finish,
+    Preempt,
+    Process,
+    Schedule,
+    config_for,
+)
+from model.observations import NULL, FinishObs, FreeObs, Observed, ProcessObs, StepObs
+from model.windows import read_blocks
+
+pytestmark = pytest.mark.vllm
+
+BUGGY, FIXED = "0.25.1", "0.33.0"
+_targets: dict[str, object] = {}
+
+
+def target(version: str):
+    """One target per release for the whole module (the worker imports vLLM
+    once, ~10-20 s); fails, not skips, when the release is not installed."""
+    if version not in _targets:
+        try:
+            _targets[version] = make_target(f"vllm@{version}")
+        except TargetError as e:
+            pytest.fail(f"{e}\n(the vLLM targets are tested on the real releases: "
+                        f"run scripts/install-vllm.sh {version})")
+    return _targets[version]
+
+
+def run(version: str, cfg, events) -> list[Observed]:
+    t = target(version)
+    t.reset(cfg)
+    return [t.apply(ev) for ev in events]
+
+
+def items(obs: Observed, kind: type) -> list:
+    return [it for it in obs.items if isinstance(it, kind)]
+
+
+def step_of(obs: Observed) -> StepObs:
+    (s,) = items(obs, StepObs)
+    return s
+
+
+# ------------------------------------------------------------- the seed bug
+
+
+SEED = [AddRequest("r0", 100, 8), Schedule(), Schedule()]
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked_local"])
+def test_seed_bug_on_0_25_1_frees_blocks_step_0_still_reads(kind):
+    cfg = config_for(kind, window=16, chunk=32, block_size=16, depth=2,
+                     max_num_batched_tokens=128)
+    obs = run(BUGGY, cfg, SEED)
+    s0, s1 = step_of(obs[1]), step_of(obs[2])
+    assert (s0.reqs[0].start, s0.reqs[0].end) == (0, 100)
+    assert (s1.reqs[0].start, s1.reqs[0].end) == (100, 101)
+    freed = items(obs[2], FreeObs)
+    assert freed and {f.reason for f in freed} == {"window"}
+    # step 0 is still in flight and reads every one of those blocks
+    table0 = s0.reqs[0].tables[0]
+    read0 = {table0[i] for i in read_blocks(cfg.groups[0], 0, 100, 16)}
+    assert {f.block for f in freed} <= read0
+    # ... and step 1 is scheduled with NULL in their slots
+    assert all(s1.reqs[0].tables[0][f.logical] == NULL for f in freed)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked_local"])
+def test_seed_bug_fixed_on_0_33_0(kind):
+    cfg = config_for(kind, window=16, chunk=32, block_size=16, depth=2,
+                     max_num_batched_tokens=128)
+    obs = run(FIXED, cfg, SEED)
+    assert not items(obs[2], FreeObs)
+    assert step_of(obs[2]).reqs[0].tables == step_of(obs[1]).reqs[0].tables
+    # the out-of-window blocks go once step 0 is processed
+    more = target(FIXED).apply(Process())
+    assert not items(more, FreeObs)
+    later = target(FIXED).apply(Schedule())
+    assert {f.reason for f in items(later, FreeObs)} == {"window"}
+
+
+def test_capabilities_follow_the_fix():
+    old, new = target(BUGGY).capabilities, target(FIXED).capabilities
+    assert isinstance(old, Capabilities)
+    assert old.fixed_policy == "optimistic" and not old.reports_in_flight
+    assert new.fixed_policy == "settled" and new.reports_in_flight
+
+
+def test_two_releases_in_one_process():
+    cfg = config_for("sliding", window=16, block_size=16, depth=2,
+                     max_num_batched_tokens=128)
+    a, b = target(BUGGY), target(FIXED)
+    a.reset(cfg)
+    b.reset(cfg)
+    for ev in SEED:
+        oa, ob = a.apply(ev), b.apply(ev)
+    assert items(oa, FreeObs) and not items(ob, FreeObs)
+    assert oa.counters.reqs["r0"].in_flight is None
+    assert ob.counters.reqs["r0"].in_flight == 101
+
+
+# ------------------------------------------------------- the paths on 0.33.0
+
+
+def test_failed_load_recomputes_from_the_bad_block():
+    cfg = config_for("full", block_size=16, depth=1, hazard="unordered",
+                     max_num_batched_tokens=128)
+    t = target(FIXED)
+    obs = run(FIXED, cfg, [AddRequest("r0", 100, 4, external_tokens=64), Schedule()])
+    rs = step_of(obs[1]).reqs[0]
+    assert (rs.start, rs.end, rs.loaded) == (64, 100, 64)
+    assert t.can_apply(FailLoad("r0", 2)) and not t.can_apply(FailLoad("r0", 4))
+    t.apply(FailLoad("r0", 2))
+    done = t.apply(Process())
+    (p,) = items(done, ProcessObs)
+    assert p.failed == (("r0", 2),) and p.discarded == ("r0",)
+    assert done.counters.reqs["r0"].computed == 32
+    assert done.counters.reqs["r0"].in_flight == 0
+    # vLLM keeps the blocks and recomputes into them: nothing is freed
+    assert not items(done, FreeObs)
+    again = step_of(t.apply(Schedule())).reqs[0]
+    assert (again.start, again.end, again.loaded) == (32, 100, 0)
+    assert again.tables == rs.tables
+
+
+def test_preempt_frees_everything_and_resumes_after_stale_output():
+    cfg = config_for("sliding", window=16, block_size=16, depth=2,
+                     max_num_batched_tokens=128)
+    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), Schedule(), Schedule(), Preempt("r0")])
+    table = step_of(obs[1]).reqs[0].tables[0]
+    freed = items(obs[3], FreeObs)
+    assert sorted(f.block for f in freed) == sorted(b for b in table if b != NULL)
+    assert {f.reason for f in freed} == {"preempt"}
+    rc = obs[3].counters.reqs["r0"]
+    assert (rc.computed, rc.status, rc.live) == (0, "preempted", (0,))
+    assert rc.in_flight == 41  # vLLM keeps counting the stale in-flight steps
+    t = target(FIXED)
+    t.apply(Process())
+    assert not items(t.apply(Schedule()), StepObs)  # waits for the stale output
+    t.apply(Process())
+    resumed = step_of(t.apply(Schedule())).reqs[0]
+    assert resumed.start == 0 and resumed.end >= 40
+
+
+@pytest.mark.parametrize("hazard", ["ordered", "unordered"])
+def test_finish_and_abort_free_all_blocks(hazard):
+    cfg = config_for("sliding", window=64, block_size=16, depth=2, hazard=hazard,
+                     max_num_batched_tokens=128)
+    t = target(FIXED)
+    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), AddRequest("r1", 20, 8), Schedule(),
+                           Finish("r0"), Abort("r1")])
+    tables = {rs.rid: rs.tables[0] for rs in step_of(obs[2]).reqs}
+    assert items(obs[3], FinishObs) == [FinishObs("r0", "finish")]
+    assert items(obs[4], FinishObs) == [FinishObs("r1", "abort")]
+    done = t.apply(Process())
+    (p,) = items(done, ProcessObs)
+    assert set(p.discarded) == {"r0", "r1"}
+    frees = [f for o in (*obs[3:], done) for f in items(o, FreeObs)]
+    assert sorted((f.rid, f.block, f.reason) for f in frees) == sorted(
+        [("r0", b, "finish") for b in tables["r0"]] + [("r1", b, "abort") for b in tables["r1"]])
+    if hazard == "unordered":
+        # a KV-consumer connector: vLLM defers the frees until the step is processed
+        assert not items(obs[3], FreeObs) and not items(obs[4], FreeObs)
+        assert obs[4].counters.reqs["r0"].live == (len(tables["r0"]),)
+    else:
+        assert items(obs[3], FreeObs) and items(obs[4], FreeObs)
+    assert done.counters.free_blocks == cfg.num_blocks - 1
+
+
+def test_spec_rejection_rolls_the_count_back():
+    cfg = config_for("sliding", window=16, block_size=4, depth=2, spec_tokens=3,
+                     max_num_batched_tokens=64)
+    t = target(FIXED)
+    run(FIXED, cfg, [AddRequest("r0", 14, 10), Schedule(), Process()])
+    s1 = step_of(t.apply(Schedule())).reqs[0]
+    assert (s1.start, s1.end, s1.spec) == (14, 18, 3)
+    s2 = step_of(t.apply(Schedule())).reqs[0]
+    assert (s2.start, s2.end, s2.spec) == (18, 22, 3)
+    rej = t.apply(Process({"r0": 1}))
+    (p,) = items(rej, ProcessObs)
+    assert p.accepted == (("r0", 1),) and not p.discarded
+    rc = rej.counters.reqs["r0"]
+    assert (rc.computed, rc.in_flight) == (22 - 2, 4)
+
+
+def test_length_finish_at_max_new_tokens():
+    cfg = config_for("full", block_size=16, depth=1, max_num_batched_tokens=64)
+    obs = run(FIXED, cfg, [AddRequest("r0", 10, 2), Schedule(), Process(), Schedule(),
+                           Process()])
+    assert items(obs[2], FinishObs) == []
+    assert items(obs[4], FinishObs) == [FinishObs("r0", "length")]
+    assert [f.reason for f in items(obs[4], FreeObs)] == ["finish"]
+
+
+def test_pool_pressure_preempts_the_last_request():
+    cfg = config_for("full", block_size=4, num_blocks=9, depth=1, max_num_batched_tokens=64)
+    obs = run(FIXED, cfg, [AddRequest("r0", 12, 12), AddRequest("r1", 12, 12)]
+              + [Schedule(), Process()] * 6)
+    frees = [f for o in obs for f in items(o, FreeObs)]
+    # 8 usable blocks; both requests need a 5th block at position 16: the
+    # scheduler preempts the last-arrived request to make room for the first
+    assert frees and {f.reason for f in frees} == {"preempt"} and {f.rid for f in frees} == {"r1"}
+    assert obs[-1].counters.reqs["r1"].status == "preempted"
+
+
+# ----------------------------------------------------------- the adapter
+
+
+def test_apply_many_equals_apply():
+    import random
+
+    cfg = config_for("hybrid", window=8, block_size=4, depth=2, spec_tokens=2,
+                     max_num_batched_tokens=32, num_blocks=40)
+    t = target(FIXED)
+    t.reset(cfg)
+    rnd, evs, one = random.Random(7), [], []
+    for i in range(60):
+        cands = [AddRequest(f"r{i}", rnd.randint(1, 20), rnd.randint(1, 8)), Schedule(),
+                 Process(), *(c(f"r{j}") for j in range(i) for c in (Preempt, Finish, Abort))]
+        ev = rnd.choice([c for c in cands if t.can_apply(c)])
+        evs.append(ev)
+        one.append(t.apply(ev))
+    t.reset(cfg)
+    assert t.apply_many(evs) == one
+
+
+def test_unsupported_versions_and_events():
+    with pytest.raises(TargetError, match="not supported"):
+        make_target("vllm@0.24.0")
+    with pytest.raises(TargetError, match="neither"):
+        make_target("vllm@/nonexistent/checkout")
+    t = target(FIXED)
+    t.reset(config_for("sliding", window=16, block_size=16, hazard="ordered"))
+    ev = AddRequest("r0", 40, 4, external_tokens=16)
+    assert not t.can_apply(ev)
+    with pytest.raises(Unsupported, match="hazard=unordered"):
+        t.apply(ev)
+
+
+def test_a_checkout_path_runs_its_own_tree():
+    from impl.vllm import compat
+
+    t = make_target(f"vllm@{compat.install_dir(FIXED)}")
+    assert t.inst.version == FIXED and t.capabilities.fixed_policy == "settled"
+    t.reset(config_for("sliding", window=16, block_size=16, depth=2,
+                       max_num_batched_tokens=128))
+    assert not items(t.apply_many(SEED)[2], FreeObs)
+    t.close()
+
+
+def test_a_dead_worker_is_a_crash_with_its_log_and_restarts():
+    cfg = config_for("full", block_size=16, depth=1)
+    t = target(FIXED)
+    t.reset(cfg)
+    t._w().proc.kill()
+    t._w().proc.wait()
+    with pytest.raises(TargetCrash, match="worker process died"):
+        t.apply(AddRequest("r0", 10, 2))
+    t.reset(cfg)  # a fresh worker
+    assert items(t.apply_many([AddRequest("r0", 10, 2), Schedule()])[1], StepObs)
+
+
+def test_install_script_is_a_no_op_when_installed_and_refuses_bad_versions():
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "scripts/install-vllm.sh", FIXED], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "already installed" in out.stdout and time.monotonic() - t0 < 30
+    bad = subprocess.run(["bash", "scripts/install-vllm.sh", "0.20.0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
