@@ -19,6 +19,8 @@ from typing import Any
 
 from hypothesis.database import ExampleDatabase
 
+from impl.target import Unsupported
+
 
 class RecordingDatabase(ExampleDatabase):
     """Wraps the shared database and counts the saved examples Hypothesis
@@ -114,6 +116,8 @@ def run_row(row: dict, seconds: float, db_path: str, reports: Path) -> dict:
             out.update(verdict="UNAVAILABLE", detail=row["unavailable"])
             return out
         _run(row, seconds, db_path, reports, out)
+    except Unsupported as e:  # the target refused a config or event the fuzzer drew
+        out.update(verdict="UNSUPPORTED", detail=f"{str(e).strip()[:2000]}")
     except Exception as e:  # noqa: BLE001 - a harness failure is a failed row, with its reason
         out.update(verdict="HARNESS ERROR",
                    detail=f"{type(e).__name__}: {str(e).strip()[:2000]}\n"
