@@ -125,6 +125,9 @@ def _summary(res, verbose: bool = True) -> str:
              f"examples {st.examples}  {res.seconds:.1f}s"]
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.events.items()))
     lines.append(f"events: {ev or 'none'}")
+    if st.refused:
+        lines.append("refused by the target (examples dropped): "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(st.refused.items())))
     if verbose:
         from properties.invariants import WITNESSES
 

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -82,6 +82,7 @@ class RunStats:
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
     configs: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)  # what the target could not take
 
 
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
@@ -136,6 +137,13 @@ class KVMachine(RuleBasedStateMachine):
 
     def _apply(self, ev: Event) -> Observed:
         cls = type(self)
+        can = getattr(cls.target, "can_apply", None)
+        if can is not None and not can(ev):
+            if isinstance(ev, AddRequest) and ev.external_tokens:
+                ev = AddRequest(ev.id, ev.prompt_len, ev.max_new_tokens, 0)
+            if not can(ev):
+                cls.stats.refused[type(ev).__name__] += 1
+                reject()
         self.events.append(ev)
         cls.last = {"config": self.cfg, "events": list(self.events)}
         try:
@@ -175,7 +183,14 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.examples += 1
         cls.stats.expected |= expected_witnesses(cfg)
         cls.last = {"config": cfg, "events": []}
-        obs = cls.target.reset(cfg)
+        try:
+            obs = cls.target.reset(cfg)
+        except Unsupported:
+            # a config this target cannot run (e.g. a layout its version
+            # refuses): not an example; counted so a run that can run
+            # nothing is visible
+            cls.stats.refused["config"] += 1
+            reject()
         self.checker.feed(None, obs)
         self.counters = obs.counters
         if cls.on_example is not None:
@@ -283,7 +298,7 @@ class FuzzResult:
 
 def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
          database: Any = None, target: Target | None = None,
-         on_example: Any = None) -> FuzzResult:
+         on_example: Any = None, minimize_trace: bool = True) -> FuzzResult:
     """Run the state machine; returns the verdict with the shrunk trace if any."""
     import time
 
@@ -326,6 +341,10 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
             if len(spec.props) < 6:
                 meta["props"] = sorted(spec.props)
             result.trace = Trace(last["config"], list(last["events"]), meta=meta)
+            if result.violation is not None and minimize_trace:
+                from properties.minimize import minimize
+
+                result.trace = minimize(result.trace, target, result.violation.prop)
         if result.violation is None and "violation" in last:
             result.violation = last["violation"]
     return result
