@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import attrgetter, ne
 
 from model.events import Config, Event
 from model.observations import (
@@ -59,9 +57,6 @@ WITNESSES = {
     "block_reused": "a block handed to a request after another request let it go",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
 }
-
-
-_STATUS = attrgetter("status")
 
 
 @dataclass(frozen=True)
@@ -350,12 +345,15 @@ class Checker:
 
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
+        rid, tables = rs.rid, rs.tables
+        start, end, B = pp.start, pp.end, self.B
+        held = self.holder.get
         for gi, g in enumerate(self.cfg.groups):
-            table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for lg in read_blocks(g, pp.start, pp.end, self.B):
-                blk = table[lg] if lg < len(table) else None
-                held = self.holder.get((rs.rid, gi, lg))
-                if blk is None or blk == NULL or held != blk:
+            table = tables[gi] if gi < len(tables) else ()
+            n = len(table)
+            for lg in read_blocks(g, start, end, B):
+                blk = table[lg] if lg < n else None
+                if blk is None or blk == NULL or held((rid, gi, lg)) != blk:
                     t = next((t for t in range(max(pp.start, lg * self.B), pp.end)
                               if window(g, t)[0] < (lg + 1) * self.B), pp.start)
                     what = ("no block" if blk is None else "the NULL block" if blk == NULL
@@ -420,11 +418,9 @@ class Checker:
         if c.free_blocks + owned + 1 != c.total_blocks:
             self._v(3, f"pool accounting: free {c.free_blocks} + owned {owned} + NULL 1 != total "
                        f"{c.total_blocks}")
-        # The requests not finished, in the target's order; the filter runs in C
-        # since targets keep finished requests in their counters for good.
-        reqs = c.reqs
-        active = list(compress(reqs.items(),
-                               map(ne, map(_STATUS, reqs.values()), repeat("finished"))))
+        # The requests not finished, in the target's order, in one tight pass:
+        # targets keep finished requests in their counters for good.
+        active = [(rid, rc) for rid, rc in c.reqs.items() if rc.status != "finished"]
         if not active and not self.pending and c.free_blocks != c.total_blocks - 1:
             self._v(3, f"leak: no request is live and nothing is in flight, yet only "
                        f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
@@ -447,7 +443,9 @@ class Checker:
             if live_map is None:
                 live_map = self._live_map()
             live = live_map.get(rid, [])
-            exp_f = sum(pp.rs.end - pp.rs.start for pp in live)
+            exp_f = 0
+            for pp in live:
+                exp_f += pp.rs.end - pp.rs.start
             if rc.in_flight is not None and rc.in_flight != exp_f:
                 self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
                            f"steps hold {exp_f}", rid=rid)
