@@ -176,7 +176,7 @@ def cmd_fuzz(a) -> int:
             print(f"trace saved: {path}")
         return EXIT_TARGET
     if res.violation is not None:
-        name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{policy}"
+        name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
         path = res.trace.save(Path(a.out) / f"{name}.json")
         print(f"verdict: VIOLATION of property {res.violation.prop} ({res.violation.name}) "
               f"after shrinking to {len(res.trace.events)} events")
