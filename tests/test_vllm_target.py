@@ -186,6 +186,22 @@ def test_finish_and_abort_free_all_blocks(hazard):
     assert done.counters.free_blocks == cfg.num_blocks - 1
 
 
+def test_depth_1_holds_ends_until_the_step_ran():
+    """The synchronous engine takes an abort that arrives while its step runs
+    after the step, right before processing the output."""
+    cfg = config_for("full", block_size=16, depth=1, hazard="unordered")
+    t = target(FIXED)
+    obs = run(FIXED, cfg, [AddRequest("r0", 20, 4), Schedule(), Abort("r0"), Preempt("r0")])
+    assert obs[2].items == [] and obs[3].items == []
+    assert obs[3].counters.reqs["r0"].status == "running"
+    done = t.apply(Process())
+    kinds = [type(it).__name__ for it in done.items]
+    assert kinds[0] == "ProcessObs" and kinds[1] == "FinishObs"
+    assert done.items[0].discarded == ("r0",)
+    assert {f.reason for f in items(done, FreeObs)} == {"abort"}
+    assert done.counters.reqs["r0"].status == "finished"
+
+
 def test_spec_rejection_rolls_the_count_back():
     cfg = config_for("sliding", window=16, block_size=4, depth=2, spec_tokens=3,
                      max_num_batched_tokens=64)

@@ -1,7 +1,140 @@
 """The ``vllm@VERSION`` / ``vllm@PATH`` target: vLLM's real scheduler and
 KV-cache manager behind kvcheck's Target protocol.
 
-SEMANTICS-PLACEHOLDER
+Nothing of vLLM is mocked. ``VllmTarget(spec)`` runs vLLM in a worker process
+(:mod:`impl.vllm.worker`; one per vLLM, started lazily, shared by targets of
+that vLLM, kept across ``reset``), so one kvcheck process can drive 0.25.1 and
+0.33.0 side by side and a crash of vLLM becomes :class:`TargetCrash` with the
+traceback (or the worker's log if the process died). ``spec`` is a release
+(``0.33.0``: the copy installed by ``scripts/install-vllm.sh`` in
+``.vllm/0.33.0``) or a path to a source checkout (its ``vllm/`` tree goes first
+on ``sys.path``, over the installed release of the same line, else the newest).
+``apply_many(events)`` applies a batch in one round trip. The driver
+(:mod:`impl.vllm.driver`) maps configs and events onto vLLM and reads the
+observations off the real objects; :mod:`impl.vllm.compat` holds every
+difference between releases; :mod:`impl.vllm.connector` is kvcheck's own KV
+connector, registered with vLLM's ``KVConnectorFactory``.
+
+How a config runs
+-----------------
+* groups: one ``KVCacheGroupSpec`` per group with vLLM's own spec classes
+  (``FullAttentionSpec``, ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``,
+  ``MambaSpec``), block size ``B``, ``num_blocks`` (NULL included; vLLM's NULL
+  block is id 0 in every supported release, another id would be mapped to 0).
+  Mamba: ``mamba_cache_mode="none"`` with one state block per ``B`` tokens and
+  ``num_speculative_blocks = spec_tokens`` (as a real model sets it). Mamba with
+  prefix caching needs ``mamba_cache_mode="align"`` on 0.33 (another block
+  layout): Unsupported there.
+* depth 1: ``Scheduler`` (no async scheduling); depth 2: ``AsyncScheduler``;
+  depth 3-4: where the release allows it (0.33: Model Runner V2),
+  ``AsyncScheduler`` with ``pipeline_parallel_size = depth - 1``
+  (``max_concurrent_batches == depth``; a request decodes at most every
+  ``depth - 1`` steps, so steps in between can be empty); elsewhere (0.25.1,
+  0.26.0 here) the synchronous ``Scheduler`` with ``pipeline_parallel_size =
+  depth`` (one decode step of a request in flight, prefill chunks overlap).
+* spec tokens: ``SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=K,
+  prompt_lookup_min=1, prompt_lookup_max=3)``. Async: vLLM's own ``-1``
+  placeholders (the worker would fill them). Depth 1: after each Process the
+  engine's ``post_step`` path, ``update_draft_token_ids`` with K drafts for the
+  step's running requests (vLLM drops them for prefill chunks). 0.33 then sets
+  its own token budget net of draft slots, and pads a request's first decode
+  in a decode batch to 1 + K tokens.
+* hazard ``unordered``: our connector as a KV consumer (``kv_role="kv_consumer"``,
+  ``kv_load_failure_policy="recompute"``), which also turns on vLLM's deferred
+  frees (``defer_block_free``) when two or more batches are in flight. No
+  connector otherwise.
+* ``config.policy`` is ignored: vLLM implements ``capabilities.fixed_policy``
+  (``optimistic`` without ``num_in_flight_tokens``, 0.25.1; ``settled`` from
+  0.26.0), read from the tree's source. ``Counters.bound`` is vLLM's
+  per-request admission cap of each group, or ``cdiv(max_model_len, B)`` where
+  it has none (full, Mamba).
+
+How an event runs
+-----------------
+* AddRequest: ``Request`` with prompt token ``(t*7919 + 17) % 32000`` (the
+  reference's stream), ``max_tokens = max_new_tokens``, EOS ignored. External
+  tokens need the connector (hazard ``unordered``); otherwise Unsupported
+  (``can_apply`` is False).
+* Schedule: ``schedule()``; a step with nothing scheduled gives no StepObs and
+  is not queued (its output would change nothing).
+* Process: ``update_from_output`` of the oldest scheduled step, with a
+  ``ModelRunnerOutput`` sampling ``1 + a`` tokens (token 7) for each request
+  the step samples for (none for a partial prefill chunk), ``a`` = accepted.
+* Preempt: vLLM's ``_preempt_request`` entered as ``schedule()`` enters it
+  under pool pressure (removed from ``running`` first).
+* FailLoad: reported with that step's output as ``invalid_block_ids``: the
+  physical blocks (group 0) from logical ``k`` to the end of the loaded range
+  as the loading step was scheduled with them (what a worker-side connector
+  knows); vLLM's recovery does the rest.
+* Finish / Abort: ``finish_requests(id, FINISHED_STOPPED / FINISHED_ABORTED)``.
+  At depth 1 vLLM's engine never ends or preempts a request while its step
+  runs: a Finish / Abort / Preempt arriving then is held and applied at the
+  next Process, Finish / Abort after the step ran and before its output is
+  processed (the engine's abort queue), Preempt after (vLLM preempts inside
+  the next ``schedule()``). The event's own Observed is then empty.
+
+Observations
+------------
+Tables are read from each single-type manager right after ``schedule()``;
+AllocObs from the tables' growth across ``allocate_slots`` (``cached``: the
+block did not come from ``get_new_blocks``); FreeObs when
+``BlockPool.free_blocks`` takes the block back, the reason from the call
+path: inside ``remove_skipped_blocks`` -> ``window`` (whoever called it: the
+allocation, or the connector's finish hook), blocks popped under
+``_preempt_request`` -> ``preempt``, under ``_free_blocks`` of a finished
+request -> ``finish`` / ``abort``; counters from the ``Request`` objects
+(finished requests stay, status ``finished``). A table differing from the one
+the observations built, or a free no path explains, is a crash, never a guess.
+
+Where vLLM differs from docs/SEMANTICS.md (measured on 0.25.1, 0.26.0, 0.33.0)
+------------------------------------------------------------------------------
+1. Deferred request-level frees (hazard ``unordered``, depth >= 2): the blocks
+   leave the request's table at the preempt / finish / abort but reach the
+   pool only when the latest step scheduled by then is processed. FreeObs
+   comes then (in that Process); until then the blocks count in the request's
+   ``live``. A preempted request re-admitted before that (0.25.1 and 0.26.0 at
+   once, 0.33 once its stale output is processed) is handed new blocks at the
+   same logical slots while the old ones are still on their way to the pool.
+2. Preemption does not discard in-flight outputs. 0.25.1 / 0.26.0 append the
+   tokens of a preempted request's in-flight steps and apply their
+   rejections (``c -= rejected`` if ``c > 0``), even after it resumed; 0.33
+   delivers them as "stale" tokens without touching the counters and does
+   not resume the request until all are processed. ProcessObs.discarded lists
+   a request only when vLLM dropped its output (ended, failed load, 0.33's
+   drop-mode stale output).
+3. ``num_in_flight_tokens`` after a preemption (0.26.0, 0.33): it keeps
+   counting the preempted steps until they are processed (``c = 0``, ``f > 0``;
+   vLLM frees on ``max(0, c - f)``). 0.26.0 resumes at once, so ``f`` is the
+   stale steps plus the new ones.
+4. A failed load frees nothing: vLLM keeps the request's table and recomputes
+   into the same blocks; no FreeObs ``failed_load`` ever comes from vLLM. At
+   the Process of the loading step ``c`` becomes ``j * B`` for the first
+   invalid block ``j`` it finds in the table (ProcessObs.failed carries that
+   ``j``), and the step's output is discarded.
+5. Later in-flight steps of a request whose load failed are not discarded:
+   their outputs are delivered and ``num_in_flight_tokens`` counts them until
+   processed. Under async scheduling the failed step's output placeholder is
+   never resolved, so the recompute step schedules one position more (e.g.
+   ``[32, 102)`` where ``[32, 101)`` is due).
+6. Window kinds and loads: vLLM allocates NULL for external blocks already out
+   of the window of position E, so part of the loaded range shows NULL; a
+   FailLoad at such a block is reported to vLLM from the first loaded block at
+   or after it; the recompute from ``j * B`` then reads NULL below the window
+   (those positions were never loaded): a real null read on SWA / chunked-local.
+7. FailLoad needs one KV-cache group: vLLM maps ``invalid_block_ids`` to
+   requests only then (0.33 raises, 0.25.1 fails to unpack) and its per-request
+   ``failed_recving`` covers asynchronous loads only. Hybrid: Unsupported.
+8. With a connector, vLLM's finish path first calls ``remove_skipped_blocks``
+   on the finished request (0.25.1 on ``c``, later on ``c - f``): those frees
+   are ``window`` frees, before the request-level ones.
+9. ``loaded`` is vLLM's ``num_external_computed_tokens`` (E minus the local
+   prefix hit, block-aligned on 0.33); the connector offers E once, so a retry
+   after a preemption or a failed load recomputes.
+10. Chunked-local with prefix caching: vLLM counts the chunks before the last
+    one as a cache hit (NULL blocks) even in an empty cache; such a request's
+    first step starts at the chunk boundary.
+11. A length stop inside accepted drafts: 0.33 trims the extra tokens and
+    lowers ``c`` by them.
 """
 
 from __future__ import annotations

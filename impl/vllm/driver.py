@@ -326,7 +326,8 @@ class Driver:
         self.fresh: set[int] = set()
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
-        self.quiet: set[str] = set()
+        self.settled: dict[str, ReqCounters] = {}
+        self.queued: list[Any] = []  # depth 1: Finish/Abort/Preempt held for the engine
         self.arrival = 0
         self._instrument()
         return Observed(items=[], counters=self._counters())
@@ -437,20 +438,22 @@ class Driver:
         def pop_blocks_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
             blocks = pop_blocks(request_id, *args, **kwargs)
             why = self.reasons[-1] if self.reasons else None
-            tab = self.table.get(request_id)
-            if tab is None:
+            tabs = self.table.get(request_id)
+            if tabs is None:
                 return blocks
-            held = 0
-            for slot, b in enumerate(blocks):
+            tab = tabs[g]
+            for b in blocks:  # (0.33 drops leading NULLs: slots come from our table)
                 if b.is_null:
                     continue
-                if why is None:
+                pid = self._pid(b)
+                if why is None or pid not in tab:
                     raise InstrumentationError(
-                        f"request {request_id} gives up its blocks on a path kvcheck "
-                        f"cannot name (group {g}, block {self._pid(b)})")
+                        f"request {request_id} gives up block {pid} (group {g}) on a path "
+                        f"kvcheck cannot name or at a slot it did not see")
+                slot = tab.index(pid)
+                tab[slot] = NULL
                 self.owed.setdefault(id(b), []).append((g, request_id, slot, why))
-                held += 1
-            tab[g] = []
+            tabs[g] = []
             return blocks
 
         mgr.pop_blocks_for_free = pop_blocks_w
@@ -643,7 +646,15 @@ class Driver:
         )
         at = len(self.items)
         self.failed_now = {}
+        queued, self.queued = self.queued, []
+        for q in queued:  # the sync engine's abort queue: after the step ran, before its output
+            if type(q) is not Preempt:
+                self._finish(q)
         self.sched.update_from_output(out, mro)
+        for q in queued:  # preemption: in the next schedule(), after this output
+            r = self.sched.requests.get(q.id)
+            if type(q) is Preempt and r is not None and r.status == self.RS.RUNNING:
+                compat.preempt(self.sched, r, time.monotonic())
         discarded = []
         for rid in rids:
             if rid in gone_before or rid in self.failed_now:
@@ -678,7 +689,22 @@ class Driver:
                     bad.add(self._vid(tab[slot]))
         return bad
 
+    def _hold_for_sync_engine(self, ev: Any) -> bool:
+        """Synchronous scheduling (depth 1): vLLM's engine never ends or preempts
+        a request while its one step runs. It takes an abort / stop that arrives
+        then after the step has run, right before processing its output; it
+        preempts only inside ``schedule()``. So hold the event until that Process."""
+        if self.cfg.depth == 1 and self.pending:
+            r = self.sched.requests.get(ev.id)
+            if r is None or r.is_finished():
+                raise EventRejected(f"request {ev.id} is not live")
+            self.queued.append(ev)
+            return True
+        return False
+
     def _preempt(self, ev: Preempt) -> None:
+        if self._hold_for_sync_engine(ev):
+            return
         r = self.sched.requests.get(ev.id)
         if r is None or r.status != self.RS.RUNNING or r not in self.sched.running:
             raise EventRejected(f"request {ev.id} is not running")
@@ -700,8 +726,12 @@ class Driver:
                             f"{ev.first_bad_block}")
 
     def _finish(self, ev: Finish | Abort) -> None:
+        if self._hold_for_sync_engine(ev):
+            return
         r = self.sched.requests.get(ev.id)
         if r is None or r.is_finished():
+            if any(q.id == ev.id for q in self.queued) or ev.id in self.finished_now:
+                return  # already ending (vLLM's finish is idempotent)
             raise EventRejected(f"request {ev.id} is not live")
         status = self.RS.FINISHED_STOPPED if type(ev) is Finish else self.RS.FINISHED_ABORTED
         self.sched.finish_requests(ev.id, status)
@@ -721,13 +751,14 @@ class Driver:
     def _counters(self) -> Counters:
         reqs: dict[str, ReqCounters] = {}
         for rid, r in self.reqs.items():
-            if rid in self.quiet:
-                continue
-            live = tuple(self.live[rid])
-            status = self._status(r)
-            reqs[rid] = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
-            if status == "finished" and not any(live):
-                self.quiet.add(rid)  # reported finished and empty once: left out from now on
+            rc = self.settled.get(rid)
+            if rc is None:
+                live = tuple(self.live[rid])
+                status = self._status(r)
+                rc = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
+                if status == "finished" and not any(live):
+                    self.settled[rid] = rc  # ended and empty: it never changes again
+            reqs[rid] = rc
         return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
 
 
