@@ -10,21 +10,24 @@ Two halves:
   building a request, a scheduler, a step's output; reading counters;
   entering the preemption path. Each one names the releases it covers.
 
-Differences found between 0.25.1, 0.26.0 and 0.33.0 (what the adapters cover):
+Differences found between 0.25.1, 0.26.0 and 0.33.0 (what the adapters and
+the driver cover; impl/vllm/__init__.py tells what they mean for the checks):
 
-==============================  =========  =========  ==========================
-                                0.25.1     0.26.0     0.33.0
-==============================  =========  =========  ==========================
-Request.num_in_flight_tokens    absent     present    present
-out-of-window free basis        c          c - f      c - f
-preempted in-flight output      applied    ignored    stale: tokens delivered,
-                                (counters)            counters untouched
-_preempt_request(...)           (r, ts)    (r, ts)    (r, ts, drop_stale_output)
-KVConnectorOutput.failed_recv   absent     absent     present
-invalid_block_ids, >1 group     crashes    crashes    RuntimeError (refused)
-get_request_block_hasher        (B, fn)    (B, fn)    (B, fn, lookahead=0)
-Model Runner V2 (async + PP)    no         no         yes
-==============================  =========  =========  ==========================
+================================  ==========  ==========  ========================
+                                  0.25.1      0.26.0      0.33.0
+================================  ==========  ==========  ========================
+Request.num_in_flight_tokens      absent      present     present
+out-of-window free basis          c           c - f       c - f
+preempted request's in-flight     applied     applied     stale: tokens delivered,
+output                                                    counters untouched;
+                                                          resume waits for it
+_preempt_request(...)             (r, ts)     (r, ts)     (r, ts, drop_stale_output)
+pop_blocks_for_free result        all slots   all slots   leading NULLs trimmed
+KVConnectorOutput.failed_recving  absent      absent      present (async loads)
+invalid_block_ids, >1 group       unpack err  unpack err  RuntimeError
+get_request_block_hasher          (B, fn)     (B, fn)     (B, fn, lookahead=0)
+async + PP (Model Runner V2)      refused     refused     yes
+================================  ==========  ==========  ========================
 """
 
 from __future__ import annotations
@@ -215,9 +218,3 @@ def preempt(scheduler: Any, request: Any, timestamp: float) -> None:
         )
     else:
         scheduler._preempt_request(request, timestamp)
-
-
-def has_failed_recving(KVConnectorOutput: type) -> bool:
-    import dataclasses
-
-    return "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}

@@ -149,7 +149,6 @@ class Driver:
         self.RS = RequestStatus
         self.StructuredOutputManager = StructuredOutputManager
         self.connector_mod = connector
-        self.has_failed_recving = compat.has_failed_recving(outputs.KVConnectorOutput)
         self.sched: Any = None
         self._depth_modes: dict[int, tuple[type, bool, int]] = {}
         self._vllm_configs: dict[tuple, Any] = {}
@@ -255,7 +254,7 @@ class Driver:
                                  num_speculative_blocks=cfg.spec_tokens)
         raise ConfigUnsupported(f"unknown kind {kind!r}")
 
-    def reset(self, cfg: Config, session_note: str = "") -> Observed:
+    def reset(self, cfg: Config) -> Observed:
         if cfg.max_model_len > MODEL_MAX_LEN:
             raise ConfigUnsupported(f"max_model_len {cfg.max_model_len} > {MODEL_MAX_LEN}")
         cls, async_, pp = self._depth_mode(cfg.depth)
@@ -308,7 +307,6 @@ class Driver:
             self.block_hasher = compat.make_block_hasher(
                 self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
                 cfg.block_size)
-        self.max_tokens_per_step = sched.max_num_scheduled_tokens
         self.bound = tuple(
             compat.admission_cap(m) or -(-cfg.max_model_len // cfg.block_size)
             for m in self.mgrs
