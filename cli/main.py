@@ -102,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--policy", default=None)
     pr.add_argument("--out", default="counterexamples")
 
+    d = sub.add_parser(
+        "diff", help="run one trace on two targets; report the first disagreement",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck diff counterexamples/x.json --left reference "
+               "--right vllm@0.33.0")
+    d.add_argument("trace")
+    d.add_argument("--left", default="reference")
+    d.add_argument("--right", default="vllm@0.33.0")
+    d.add_argument("--physical", action="store_true", help="compare physical block ids too")
+
     c = sub.add_parser(
         "check", help="the main job: prove, fuzz every kind, replay attention; a verdict table",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -288,6 +298,23 @@ def cmd_replay(a) -> int:
     return code
 
 
+# --------------------------------------------------------------------- diff
+
+
+def cmd_diff(a) -> int:
+    from model.events import Trace
+    from properties.differential import diff
+
+    trace = Trace.load(a.trace)
+    diffs, n = diff(trace, a.left, a.right, physical=a.physical)
+    if diffs:
+        print(f"{a.left} and {a.right} disagree after {n} of {len(trace.events)} events:")
+        print(diffs[0])
+        return EXIT_VIOLATION
+    print(f"{a.left} and {a.right} agree on all {n} events")
+    return EXIT_OK
+
+
 # -------------------------------------------------------------------- prove
 
 
@@ -330,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd is None:
             parser.print_help()
             return EXIT_USAGE
-        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove,
+        return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
                 "check": cmd_check}[a.cmd](a)
     except (UsageError, TraceError, Unsupported) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)

@@ -1,0 +1,135 @@
+"""Differential mode: one trace on two targets, the first disagreement.
+
+Used to keep the reference manager faithful to vLLM: run the same trace on
+``reference`` (set to the policy the vLLM version implements) and on
+``vllm@VERSION`` and compare, event by event:
+
+* the steps scheduled: which requests, which positions, drafts, loads;
+* the block tables' shape: which logical slots are NULL;
+* the blocks let go: (request, group, logical block, reason);
+* with ``physical=True`` also the physical block ids.
+
+Physical ids agree only if both pools hand out blocks in the same order, which
+vLLM does not promise; the default compares the logical picture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from impl.target import Target, make_target
+from model.events import Trace
+from model.observations import NULL, FreeObs, Observed, StepObs
+
+
+@dataclass
+class Difference:
+    index: int  # event index
+    what: str
+    left: str
+    right: str
+
+    def __str__(self) -> str:
+        return f"event {self.index}: {self.what}\n  left:  {self.left}\n  right: {self.right}"
+
+
+def _steps(obs: Observed, physical: bool):
+    out = []
+    for it in obs.items:
+        if isinstance(it, StepObs):
+            for rs in it.reqs:
+                tables = tuple(
+                    tuple(b if physical else (b == NULL) for b in t) for t in rs.tables)
+                out.append((rs.rid, rs.start, rs.end, rs.spec, rs.loaded, tables))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _frees(obs: Observed, physical: bool):
+    return sorted((f.rid, f.group, f.logical, f.reason) + ((f.block,) if physical else ())
+                  for f in obs.items if isinstance(f, FreeObs))
+
+
+def _fmt_steps(rows) -> str:
+    if not rows:
+        return "no step"
+    parts = []
+    for rid, a, b, spec, loaded, tables in rows:
+        t = " | ".join("".join("." if x is True else "#" if x is False else f"{x}," for x in tb)
+                       for tb in tables)
+        parts.append(f"{rid} [{a},{b}) spec {spec} loaded {loaded} table {t}")
+    return "; ".join(parts)
+
+
+def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool = False,
+         align_policy: bool = True) -> tuple[list[Difference], int]:
+    """Run ``trace`` on both; returns (differences, events compared). With
+    ``align_policy`` a reference side takes the policy the other side implements."""
+    lt = make_target(left) if isinstance(left, str) else left
+    rt = make_target(right) if isinstance(right, str) else right
+    lcfg = rcfg = trace.config
+    if align_policy:
+        for mine, other in ((lt, rt), (rt, lt)):
+            fixed = other.capabilities.fixed_policy
+            if fixed and mine.name == "reference":
+                if mine is lt:
+                    lcfg = replace(lcfg, policy=fixed)
+                else:
+                    rcfg = replace(rcfg, policy=fixed)
+    lt.reset(lcfg)
+    rt.reset(rcfg)
+    diffs: list[Difference] = []
+    for i, ev in enumerate(trace.events):
+        lo, ro = lt.apply(ev), rt.apply(ev)
+        ls, rs = _steps(lo, physical), _steps(ro, physical)
+        if ls != rs:
+            diffs.append(Difference(i, f"{type(ev).__name__}: scheduled steps differ",
+                                    _fmt_steps(ls), _fmt_steps(rs)))
+            break
+        lf, rf = _frees(lo, physical), _frees(ro, physical)
+        if lf != rf:
+            diffs.append(Difference(i, f"{type(ev).__name__}: blocks let go differ",
+                                    str(lf) or "none", str(rf) or "none"))
+            break
+    return diffs, (diffs[0].index + 1 if diffs else len(trace.events))
+
+
+def random_trace(cfg, rng, length: int, targets: list[Target]) -> Trace:
+    """A random valid trace for ``cfg`` that every one of ``targets`` accepts
+    (each event is checked with the targets' ``can_apply`` as it is built)."""
+    from model.events import Abort, AddRequest, FailLoad, Finish, Preempt, Process, Schedule
+
+    for t in targets:
+        t.reset(cfg)
+    events, n = [], 0
+    B = cfg.block_size
+    while len(events) < length:
+        roll = rng.random()
+        if roll < 0.15 and n < 8:
+            prompt = rng.randint(1, 6 * B)
+            ext = rng.choice([0, 0, rng.randint(0, prompt - 1)])
+            ev = AddRequest(f"r{n}", prompt, rng.randint(1, 2 * B), ext)
+        elif roll < 0.55:
+            ev = Schedule()
+        elif roll < 0.85:
+            ev = Process({f"r{i}": rng.randint(0, cfg.spec_tokens) for i in range(n)
+                          if rng.random() < 0.5})
+        elif roll < 0.9 and n:
+            ev = Preempt(f"r{rng.randrange(n)}")
+        elif roll < 0.95 and n:
+            ev = FailLoad(f"r{rng.randrange(n)}", rng.randint(0, 5))
+        elif n:
+            ev = (Finish if rng.random() < 0.5 else Abort)(f"r{rng.randrange(n)}")
+        else:
+            continue
+        if isinstance(ev, Process):
+            # only requests in the oldest step with drafts may be named
+            ok = all(t.can_apply(ev) for t in targets)
+            if not ok:
+                ev = Process({})
+        if all(t.can_apply(ev) for t in targets):
+            for t in targets:
+                t.apply(ev)
+            events.append(ev)
+            if isinstance(ev, AddRequest):
+                n += 1
+    return Trace(cfg, events)
