@@ -17,7 +17,7 @@
 * **unknown**: neither (a counterexample to induction is shown).
 
 ``admission_bounds()`` proves, per kind, that ``windows.live_bound(g, B,
-max_model_len, D*M + E)`` is never exceeded under ``settled``, what the real
+max_model_len, D*M)`` is never exceeded under ``settled``, what the real
 maximum is and that a run reaches it, and compares with the pre-fix sizing
 (``tokens_ahead = M``).
 """
@@ -34,7 +34,7 @@ import z3
 from .events import KINDS, AddRequest, Config, Group, Process, Schedule, Trace
 from .policy import REGISTRY
 from .windows import live_bound as code_live_bound
-from .z3_arith import Arith, check_nonlinear, prove_lemmas, zmin
+from .z3_arith import Arith, check_nonlinear, hint, prove_lemmas, zmax, zmin
 from .z3model import (
     RUN,
     Invariant,
@@ -176,16 +176,21 @@ def _describe(m: z3.ModelRef, prm: Params, pre: State | None, post: State,
     return out
 
 
+Hints = Callable[[State, Trans], list]
+
+
 def check_step(prm: Params, ar: Arith, hyp: Invariant, goal: Invariant,
-               builder: Callable, rule: Rule, lemmas=None, extra: tuple = ()) -> StepCheck:
-    """``hyp(s) ∧ transition(s, s') ⇒ goal(s')`` for symbolic parameters."""
+               builder: Callable, rule: Rule, lemmas=None, hints: Hints | None = None
+               ) -> StepCheck:
+    """``hyp(s) ∧ transition(s, s') ⇒ goal(s')`` for symbolic parameters.
+    ``hints(s, tr)``: lemma instances the proof needs beyond the automatic ones."""
     t0 = time.perf_counter()
     s = fresh_state("pre")
     tr: Trans = builder(s, prm, ar, rule, "t")
     i_, j_ = z3.Ints("i! j!")
     idx, pairs = _instances(s, i_, j_)
     hyps = prm.constraints(ar) + ar.side_conditions() + _holds(hyp, s, idx, pairs)
-    hyps += [tr.guard, *extra]
+    hyps += [tr.guard, *(hints(s, tr) if hints else [])]
     conc = goal.conjuncts_at(tr.post, i_, j_)
     bad = z3.Or([z3.Not(c) for _, c in conc])
     insts = ar.instances(hyps + [bad], lemmas)
@@ -230,13 +235,14 @@ def check_init(prm: Params, ar: Arith, goal: Invariant, lemmas=None) -> StepChec
 
 
 def check_inductive(prm: Params, ar: Arith, goal: Invariant, rule: Rule,
-                    hyp: Invariant | None = None, lemmas=None) -> list[StepCheck]:
+                    hyp: Invariant | None = None, lemmas=None,
+                    hints: Hints | None = None) -> list[StepCheck]:
     """Init and every transition; ``hyp`` (default ``goal``) may add conjuncts
     already proved invariant; ``lemmas``: the names of the lemmas to instantiate."""
     hyp = goal if hyp is None else hyp
     out = [check_init(prm, ar, goal, lemmas)]
     for b in TRANSITIONS:
-        out.append(check_step(prm, ar, hyp, goal, b, rule, lemmas))
+        out.append(check_step(prm, ar, hyp, goal, b, rule, lemmas, hints))
     return out
 
 
@@ -247,14 +253,34 @@ def _lemma_names(kind: str, bound: str | None = None) -> list[str]:
     if kind == "chunked_local":
         names += ["chunk-bounds", "chunk-mono"]
     if bound is not None:
-        names += ["ceil-is-multiple", "mul-step", "mul-mono"]
-        if bound == "code":
-            names.append("ceil-minus-floor")
-        elif kind == "chunked_local":
-            names += ["chunk-block-aligned", "ceil-shift"]
-        else:
-            names.append("ceil-minus-floor-tight")
+        names += ["ceil-is-multiple", "mul-step", "mul-mono", _BOUND_HINT[_hint_key(kind, bound)]]
+        if kind == "chunked_local":
+            names.append("chunk-block-aligned")
     return names
+
+
+_BOUND_HINT = {"code": "ceil-minus-floor", "exact": "ceil-minus-floor-tight",
+               "exact-aligned": "ceil-shift"}
+
+
+def _hint_key(kind: str, formula: str) -> str:
+    return "exact-aligned" if (formula == "exact" and kind == "chunked_local") else formula
+
+
+def _bound_hints(kind: str, formula: str, prm: Params, ar: Arith) -> Hints:
+    """At a schedule the live blocks are ``cb(H') - fb(skipped(y))`` at most, ``y``
+    the freeing basis, the loading request's ``p + L`` or the admission start:
+    the span lemma at those three."""
+    name = _BOUND_HINT[_hint_key(kind, formula)]
+
+    def hints(s: State, tr: Trans) -> list:
+        if tr.name != "schedule":
+            return []
+        cnt = tr.notes["basis_counts"]
+        ys = [zmax(0, cnt.computed - cnt.in_flight - cnt.loading), s.p + s.L, tr.notes["a"]]
+        return [hint(name, ar, tr.post.H, skipped(kind, y, prm.W, ar)) for y in ys]
+
+    return hints
 
 
 def _kind_params(kind: str) -> str:
@@ -597,13 +623,13 @@ def bound_examples(kind: str | None = None) -> list[BoundExample]:
     return out
 
 
-_FORMULAS = {
-    "full": ("cdiv(max_model_len, B)", "cdiv(max_model_len, B)"),
+_FORMULAS = {  # (code: model/windows.live_bound, exact); T = D*M, L = max_model_len
+    "full": ("cdiv(L, B)", "cdiv(L - 1, B)"),
     "sliding": ("min(cdiv(L, B), cdiv(W - 1 + T, B) + 1)",
-                "min(cdiv(L, B), cdiv(W - 2 + T, B) + 1)"),
+                "min(cdiv(L - 1, B), cdiv(W - 2 + T, B) + 1)"),
     "chunked_local": ("min(cdiv(L, B), cdiv(C - 1 + T, B) + 1)",
-                      "min(cdiv(L, B), cdiv(C - 1 + T, B))"),
-    "mamba": ("min(cdiv(L, B), cdiv(1 + T, B) + 1)", "min(cdiv(L, B), cdiv(T, B) + 1)"),
+                      "min(cdiv(L - 1, B), cdiv(C - 1 + T, B))"),
+    "mamba": ("min(cdiv(L, B), cdiv(1 + T, B) + 1)", "min(cdiv(L - 1, B), cdiv(T, B) + 1)"),
 }
 
 
@@ -677,18 +703,18 @@ def _reachability(kind: str) -> list[StepCheck]:
     s = fresh_state("q")
     t1 = t_schedule(s, prm, ar, rule, "a")
     t2 = t_process(t1.post, prm, ar, rule, "b")
-    hyps = base + [_quiet(s, prm, ar, p), p >= 1, p + 1 <= prm.T] + _fixed(
-        t1, h=0, n=1, k=0) + _fixed(t2, acc=0)
+    hyps = base + [_quiet(s, prm, ar, p), p >= 1, p + 1 <= prm.T, p + 1 <= prm.maxlen - 1]
+    hyps += _fixed(t1, h=0, n=1, k=0) + _fixed(t2, acc=0)
     out.append(_valid("reach Q(p) -> Q(p+1)", hyps, z3.And(
         t1.guard, t2.guard, _quiet(t2.post, prm, ar, p + 1)), ar))
     if kind == "full":
-        # Q(T-1) -> schedule the last position: the table covers max_model_len
+        # Q(L-2) -> schedule position L-2: the table covers the last position L-1
         s = fresh_state("f")
         t1 = t_schedule(s, prm, ar, rule, "a")
-        hyps = base + [_quiet(s, prm, ar, prm.T - 1), prm.maxlen == prm.T] + _fixed(
-            t1, h=0, n=1, k=0)
+        hyps = base + [_quiet(s, prm, ar, prm.maxlen - 2), prm.maxlen == prm.T,
+                       prm.maxlen >= 3] + _fixed(t1, h=0, n=1, k=0)
         out.append(_valid("reach full table", hyps, z3.And(
-            t1.guard, ar.cb(prm.maxlen) == t1.post.NA - t1.post.NF), ar))
+            t1.guard, ar.cb(prm.maxlen - 1) == t1.post.NA - t1.post.NF), ar))
         return out
     sw = _witness_start(kind, prm, ar)
     room = [sw + ar.mul(prm.D) <= prm.P, sw >= 1]
@@ -741,8 +767,10 @@ def _code_vs_exact(kind: str) -> StepCheck:
     """How the code's reservation compares with the exact maximum (uncapped terms)."""
     B, W, X = z3.Ints("B W X")
     ar = Arith(B)
-    if kind == "full":
-        return StepCheck("code = exact", "proved", 0.0)
+    if kind == "full":  # code cdiv(L, B), exact cdiv(L - 1, B): W stands for L
+        claim = ar.cb(W) - ar.cb(W - 1) == z3.If((W - 1) % B == 0, B, 0)
+        name = "code = exact + (1 block iff L % B == 1)"
+        return _valid_nonlinear(name, [B >= 1, W >= 1], claim)
     sp = (W - 1 if kind in ("sliding", "chunked_local") else 1) + X
     code = ar.cb(sp) + B
     if kind == "chunked_local":
@@ -755,9 +783,10 @@ def _code_vs_exact(kind: str) -> StepCheck:
     return _valid_nonlinear(name, hyps, claim)
 
 
-def admission_bound(kind: str) -> BoundResult:
-    t0 = time.perf_counter()
-    lemmas = sorted(set(_lemma_names(kind, "code") + _lemma_names(kind, "exact")))
+def check_bound(kind: str, formula: str = "code", pre_fix: bool = False) -> list[StepCheck]:
+    """Induction for the live-block bound under ``settled``: ``formula`` ``code``
+    (``windows.live_bound``) or ``exact``, with ``D*M`` tokens ahead, or the
+    budget ``M`` alone (``pre_fix``: the sizing before the fix, which fails)."""
     prm = make_params(kind)
     ar = prm.arith(abstract=True)
     rule = policy_rule("settled")
@@ -766,15 +795,26 @@ def admission_bound(kind: str) -> BoundResult:
     # bookkeeping conjuncts are assumed in the pre-state
     support = Invariant([x for x in safety.scalar if not x[0].startswith("P1")],
                         [x for x in safety.single if not x[0].startswith("P1")], safety.pair)
-    safe = check_inductive(prm, ar, safety, rule, lemmas=_lemma_names(kind))
+    goal = bound_invariant(prm, ar, formula, ahead=prm.M if pre_fix else None)
+    cs = check_inductive(prm, ar, goal, rule, hyp=support.extend(goal),
+                         lemmas=_lemma_names(kind, formula),
+                         hints=_bound_hints(kind, formula, prm, ar))
+    for c in cs:
+        c.transition = f"{formula}{' pre-fix' if pre_fix else ''}: {c.transition}"
+    return cs
+
+
+def admission_bound(kind: str) -> BoundResult:
+    t0 = time.perf_counter()
+    lemmas = sorted(set(_lemma_names(kind, "code") + _lemma_names(kind, "exact")))
+    prm = make_params(kind)
+    ar = prm.arith(abstract=True)
+    safe = check_inductive(prm, ar, safety_invariant(prm, ar), policy_rule("settled"),
+                           lemmas=_lemma_names(kind))
     results = {}
     checks = list(safe)
     for formula in ("code", "exact"):
-        goal = bound_invariant(prm, ar, formula)
-        cs = check_inductive(prm, ar, goal, rule, hyp=support.extend(goal),
-                             lemmas=_lemma_names(kind, formula))
-        for c in cs:
-            c.transition = f"{formula}: {c.transition}"
+        cs = check_bound(kind, formula)
         checks += cs
         ok = all(c.status == "proved" for c in cs + safe)
         results[formula] = "proved" if ok else (
@@ -792,26 +832,29 @@ def admission_bound(kind: str) -> BoundResult:
     code_f, exact_f = _FORMULAS[kind]
     wit = {"sliding": "W + 2B - 2", "chunked_local": "2C - 1", "mamba": "2B"}.get(kind)
     covers = (
-        f"sufficient: {covers_text(kind, lemmas)}. T = D*M + E tokens ahead (E: the "
-        "connector's external tokens, 0 without one), L = max_model_len. Exact bound "
-        "reached: for all parameters with E = 0 and "
+        f"never exceeded (code and exact): {covers_text(kind, lemmas)}; T = D*M tokens "
+        "ahead of the settled count (a connector's load adds none: admission NULL-pads "
+        "before the window of the first computed position), L = max_model_len, positions "
+        "below min(P + N, L - 1). Exact bound reached: for all parameters with E = 0 and "
         + (f"P >= {wit} + D*M (the run settles {wit} tokens one at a time, then "
-           "schedules D full batches of M)" if wit else "P + N = max_model_len")
-        + " (reachability by induction on the settled count and on the batches in flight)")
+           "schedules D full batches of M)" if wit else "P + N = L >= 3")
+        + "; reachability by induction on the settled count and on the batches in flight")
     rel_txt = {
         "sliding": "the code reserves one block more than ever needed iff (W - 1 + T) % B == 1",
         "mamba": "the code reserves one block more than ever needed iff (1 + T) % B == 1",
         "chunked_local": "the code always reserves one block more than needed (chunks are "
                          "block-aligned, the +1 is never used) unless capped by L",
-        "full": "the code's bound is exact",
+        "full": "the code reserves one block more than ever needed iff L % B == 1 (the last "
+                "position, L - 1, is never computed)",
     }[kind]
-    detail = (f"live blocks <= {code_f} with T = D*M + E (code, model/windows.live_bound): "
-              f"{results['code']}; exact maximum {exact_f}: {results['exact']}, reached: "
-              f"{tight}; {rel_txt} ({rel.status}). Before the fix the pool was sized with "
-              "T = M (live_bound(g, B, L, budget)); under settled a request holds up to the "
+    detail = (f"live blocks <= {code_f} (model/windows.live_bound with tokens_ahead = D*M, "
+              f"as the reference sizes its pool): {results['code']}; exact maximum "
+              f"{exact_f}: never exceeded {results['exact']}, reached {tight}; {rel_txt} "
+              f"({rel.status}). Before the fix the pool was sized with T = M "
+              "(live_bound(g, B, L, budget)); under settled a request holds up to the "
               "exact bound with T = D*M, more than that for D >= 2.")
-    return BoundResult(kind, status, time.perf_counter() - t0, f"{code_f}, T = D*M + E",
-                       f"{exact_f}, T = D*M + E", results["code"], results["exact"], tight,
+    return BoundResult(kind, status, time.perf_counter() - t0, f"{code_f}, T = D*M",
+                       f"{exact_f}, T = D*M", results["code"], results["exact"], tight,
                        covers, detail, bound_examples(kind), checks)
 
 
@@ -864,6 +907,6 @@ def format_results(results: list[ProofResult | BoundResult], verbose: bool = Fal
 
 __all__ = [
     "BoundExample", "BoundResult", "ProofResult", "StepCheck", "admission_bound",
-    "admission_bounds", "bound_examples", "check_inductive", "format_results", "prove",
-    "prove_all", "search_counterexample",
+    "admission_bounds", "bound_examples", "check_bound", "check_inductive", "format_results",
+    "prove", "prove_all", "search_counterexample",
 ]

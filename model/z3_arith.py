@@ -119,7 +119,7 @@ class Arith:
         concrete mode). Round 2 instantiates on the terms round 1 introduced."""
         if not self.abstract:
             return []
-        chosen = [lem for lem in LEMMAS if lemmas is None or lem.name in lemmas]
+        chosen = [lem for lem in LEMMAS if lem.auto and (lemmas is None or lem.name in lemmas)]
         decls = {d.name(): d for d in (self.FB, self.CB, self.FC, self.MUL)}
         seen_terms: set[int] = set()
         old: dict[str, list] = {n: [] for n in decls}
@@ -185,6 +185,7 @@ class Lemma:
     text: str
     statement: Callable
     instantiate: Callable
+    auto: bool = True  # instantiated on every query; else only where a proof asks (hint)
 
 
 def _unary(fn_name: str, body):
@@ -226,17 +227,6 @@ def _mono_pairs(fn_name: str):
     return inst
 
 
-def _cross(fn1: str, fn2: str, body):
-    def inst(ar: Arith, old: dict, new: dict):
-        n1, n2 = getattr(ar, fn1).name(), getattr(ar, fn2).name()
-        o1, w1 = old.get(n1, []), new.get(n1, [])
-        o2, w2 = old.get(n2, []), new.get(n2, [])
-        return ([body(ar, x, y) for x in w1 for y in o2 + w2]
-                + [body(ar, x, y) for x in o1 for y in w2])
-
-    return inst
-
-
 def _fb_bounds(ar, x):
     return z3.And(ar.fb(x) <= x, x < ar.fb(x) + ar.B, z3.Implies(x >= 0, ar.fb(x) >= 0))
 
@@ -261,8 +251,8 @@ def _cb_minus_fb_tight(ar, x, y):
     return z3.Implies(x >= y, ar.cb(x) - ar.fb(y) <= ar.cb(x - y - 1) + ar.B)
 
 
-def _cb_shift(ar, x, m):
-    return z3.Implies(ar.is_multiple(m), ar.cb(x - m) == ar.cb(x) - m)
+def _no_auto(ar, old, new):
+    return []
 
 
 def _fc_multiple_of_b(ar, x):
@@ -305,13 +295,12 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("ceil-is-multiple", "fb(cb(x)) = cb(x)",
           lambda ar, x, y: _fb_of_cb(ar, x), _unary("CB", _fb_of_cb)),
     Lemma("ceil-minus-floor", "cb(x) - fb(y) <= cb(x - y) + B  (a span touches one block more)",
-          _cb_minus_fb, _cross("CB", "FB", _cb_minus_fb)),
+          _cb_minus_fb, _no_auto, auto=False),
     Lemma("ceil-minus-floor-tight",
           "x >= y -> cb(x) - fb(y) <= cb(x - y - 1) + B  (blocks touched by [y, x))",
-          _cb_minus_fb_tight, _cross("CB", "FB", _cb_minus_fb_tight)),
-    Lemma("ceil-shift", "m = k*B -> cb(x - m) = cb(x) - m  (used with k = m/B, i.e. fb(m) = m)",
-          lambda ar, x, y: ar.cb(x - y * ar.B) == ar.cb(x) - y * ar.B,
-          _cross("CB", "FC", lambda ar, x, y: _cb_shift(ar, x, ar.fc(y)))),
+          _cb_minus_fb_tight, _no_auto, auto=False),
+    Lemma("ceil-shift", "cb(x - fb(y)) = cb(x) - fb(y)  (block-aligned shift)",
+          lambda ar, x, y: ar.cb(x - ar.fb(y)) == ar.cb(x) - ar.fb(y), _no_auto, auto=False),
     Lemma("chunk-bounds", "fc(x) <= x < fc(x) + C, and fc(x) >= 0 for x >= 0",
           lambda ar, x, y: _fc_bounds(ar, x), _unary("FC", _fc_bounds)),
     Lemma("chunk-mono", "x <= y -> fc(x) <= fc(y)",
@@ -356,6 +345,15 @@ class LemmaResult:
     text: str
     status: str  # proved | unknown | refuted
     seconds: float
+
+
+LEMMA_BY_NAME = {lem.name: lem for lem in LEMMAS}
+
+
+def hint(name: str, ar: Arith, x, y=None):
+    """An instance of lemma ``name`` at ``x``, ``y`` that a proof asks for by name
+    (the lemmas with ``auto=False``: their instances would make new terms)."""
+    return LEMMA_BY_NAME[name].statement(ar, x, y)
 
 
 _LEMMA_CACHE: list[LemmaResult] | None = None

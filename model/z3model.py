@@ -128,8 +128,10 @@ def exact_bound_tokens(kind: str, max_model_len, ahead, param, ar: Arith):
     manager is ``ahead`` tokens past the count it frees on: the span ``[lo(s), s +
     ahead)`` touches ``cdiv(span - 1, B) + 1`` blocks at most (sliding, mamba), and
     a chunk-aligned span (``C % B == 0``) exactly ``cdiv(span, B)``. Compare
-    :func:`live_bound_tokens`, which reserves ``cdiv(span, B) + 1``."""
-    full = ar.cb(max_model_len)
+    :func:`live_bound_tokens`, which reserves ``cdiv(span, B) + 1``. Positions
+    stop at ``max_model_len - 1``, so a whole request needs
+    ``cdiv(max_model_len - 1, B)`` blocks at most."""
+    full = ar.cb(max_model_len - 1)
     sp = live_span(kind, ahead, param)
     if sp is None:
         return full
@@ -141,7 +143,7 @@ def exact_bound_tokens(kind: str, max_model_len, ahead, param, ar: Arith):
 def exact_bound(kind: str, block_size: int, max_model_len: int, tokens_ahead: int,
                 param: int = 0) -> int:
     """:func:`exact_bound_tokens` in blocks, on numbers."""
-    full = -(-max_model_len // block_size)
+    full = -(-(max_model_len - 1) // block_size)
     if kind == "full":
         return full
     span = (param - 1 if kind in ("sliding", "chunked_local") else 1) + tokens_ahead
@@ -279,8 +281,10 @@ class State:
     """One request. ``p`` settled, ``c`` optimistic, ``f`` in-flight tokens (vLLM's
     ``num_in_flight_tokens``), ``L`` tokens being loaded, ``Kp`` drafts in flight;
     ``q`` steps in flight of which ``[0, dq)`` are discarded; ``NF``/``NA`` the
-    null prefix and the allocated table (tokens, multiples of ``B``); ``H`` the
-    highest position scheduled into this table."""
+    null prefix and the allocated table (tokens, multiples of ``B``); ``FR`` the
+    end of the highest block freed for the window in this table (the null prefix
+    also holds slots NULL-padded at admission, which were never allocated);
+    ``H`` the highest position scheduled into this table."""
 
     st: z3.ArithRef
     started: z3.BoolRef
@@ -292,6 +296,7 @@ class State:
     q: z3.ArithRef
     dq: z3.ArithRef
     NF: z3.ArithRef
+    FR: z3.ArithRef
     NA: z3.ArithRef
     H: z3.ArithRef
     A: IntFn = field(repr=False)
@@ -306,7 +311,7 @@ class State:
         return z3.And(self.dq <= j, j < self.q)
 
 
-_SCALARS = ("st", "c", "p", "f", "L", "Kp", "q", "dq", "NF", "NA", "H")
+_SCALARS = ("st", "c", "p", "f", "L", "Kp", "q", "dq", "NF", "FR", "NA", "H")
 _ARRAYS = ("A", "AS", "N", "K", "WS", "NFS")
 
 
@@ -382,20 +387,20 @@ class Trans:
 def t_schedule(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     """Schedule ``n`` new positions ``[a, a+n)`` for the request, ``k`` of them drafts.
 
-    A waiting request is admitted first: a prefix-cache hit of ``h`` tokens
-    (a multiple of ``B``; its table has ``freeable(g, h)`` leading NULL blocks,
-    as vLLM's cache hit for windowed kinds) and, on its first admission with
-    ``E > h`` external tokens, the step loads ``[h, E)`` and computes from
-    ``E``. Then the rule frees leading blocks (never more than the table has),
-    then slots for ``[0, a+n)`` are allocated."""
+    A waiting request is admitted: a prefix-cache hit of ``h`` tokens (a
+    multiple of ``B``) and, on its first admission with ``E > h`` external
+    tokens, a load of ``[h, E)``; it computes from ``a = max(h, E)``. Its new
+    table is NULL up to ``freeable(g, a)`` (NULL-padded, never allocated, as
+    vLLM and the reference do), then the hit's blocks; nothing is freed. A
+    running request first frees by the rule (never past its table), then
+    slots for ``[0, a+n)`` are allocated. Positions stop at
+    ``min(P + N, max_model_len - 1)``."""
     n, k, h = z3.Ints(f"n_{tag} k_{tag} h_{tag}")
     admit = s.st == WAIT
     loading = z3.And(admit, z3.Not(s.started), prm.E > 0, h < prm.E)
     ld = z3.If(loading, prm.E - h, 0)
     a = z3.If(admit, h + ld, s.c)
-    nf0 = z3.If(admit, freeable_tokens(prm.kind, h, prm.W, ar), s.NF)
-    na0 = z3.If(admit, h, s.NA)
-    h0 = z3.If(admit, h, s.H)
+    pad = freeable_tokens(prm.kind, a, prm.W, ar)
     counts = Counts(
         computed=a,
         in_flight=z3.If(admit, 0, s.f),
@@ -404,11 +409,15 @@ def t_schedule(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     )
     p0 = z3.If(admit, h, s.p)
     freed = rule(prm.kind, counts, prm, ar)
-    nf1 = zmax(nf0, zmin(freed, na0))
+    nf_run = zmax(s.NF, zmin(freed, s.NA))
+    nf1 = z3.If(admit, pad, nf_run)
+    fr1 = z3.If(admit, 0, z3.If(nf_run > s.NF, nf_run, s.FR))
+    na0 = z3.If(admit, zmax(pad, h), s.NA)
+    h0 = z3.If(admit, a, s.H)
     end = a + n
     guard = z3.And(
         s.st != DONE, s.q < prm.D,
-        n >= 1, n <= prm.M, end <= prm.T,
+        n >= 1, n <= prm.M, end <= prm.T, end <= prm.maxlen - 1,
         k >= 0, k <= prm.S, k <= n - 1,
         z3.Implies(admit, z3.And(h >= 0, ar.is_multiple(h), ar.cb(h) == h)),
     )
@@ -417,13 +426,13 @@ def t_schedule(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
         st=z3.IntVal(RUN), started=z3.BoolVal(True),
         c=end, p=p0, f=counts.in_flight + n, L=counts.loading, Kp=counts.spec + k,
         q=s.q + 1, dq=s.dq,
-        NF=nf1, NA=zmax(na0, ar.cb(end)), H=zmax(h0, end),
+        NF=nf1, FR=fr1, NA=zmax(na0, ar.cb(end)), H=zmax(h0, end),
         A=_upd(s.A, s.q, a), AS=_upd(s.AS, s.q, a), N=_upd(s.N, s.q, n), K=_upd(s.K, s.q, k),
         WS=_upd(s.WS, s.q, ws_new), NFS=_upd(s.NFS, s.q, nf1),
         TAB=_upd(s.TAB, s.q, z3.BoolVal(True)),
     )
     return Trans("schedule", guard, post, {"n": n, "k": k, "h": h},
-                 {"a": a, "end": end, "basis_counts": counts, "freed": freed, "nf0": nf0,
+                 {"a": a, "end": end, "basis_counts": counts, "freed": freed, "nf0": s.NF,
                   "admit": admit, "loading": ld})
 
 
@@ -454,24 +463,33 @@ def t_process_discarded(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) 
 
 def t_process_failed_load(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     """The loading step is processed and its load failed from token ``kf = k*B`` on
-    (``p <= kf < p + L``): its output and the later steps' are discarded, blocks
-    from ``k`` on are dropped, and the request recomputes from ``kf``."""
-    kf = z3.Int(f"kf_{tag}")
+    (``p <= kf < p + L``): its output and the later steps' are discarded and the
+    request recomputes from ``kr = j*B <= kf``, the highest block start whose
+    window it still holds (NULL-padded or freed slots are not held), or from 0
+    with an empty table; blocks from ``j`` on are dropped."""
+    kf, kr = z3.Ints(f"kf_{tag} kr_{tag}")
+    held = z3.And(kr <= s.NA, ar.fb(skipped(prm.kind, kr, prm.W, ar)) >= s.NF)
     guard = z3.And(s.q >= 1, s.dq == 0, s.L > 0, ar.is_multiple(kf), ar.cb(kf) == kf,
-                   s.p <= kf, kf < s.p + s.L)
+                   s.p <= kf, kf < s.p + s.L,
+                   ar.is_multiple(kr), ar.cb(kr) == kr, kr >= 0, kr <= kf,
+                   z3.Or(kr == 0, held))
+    empty = kr == 0
+    zero = z3.IntVal(0)
     post = replace(
-        s, p=kf, c=kf, f=z3.IntVal(0), L=z3.IntVal(0), Kp=z3.IntVal(0), q=s.q - 1, dq=s.q - 1,
-        NF=zmin(s.NF, kf), NA=zmin(s.NA, kf), H=kf,
+        s, p=kr, c=kr, f=zero, L=zero, Kp=zero, q=s.q - 1, dq=s.q - 1,
+        NF=z3.If(empty, zero, zmin(s.NF, kr)), FR=z3.If(empty, zero, zmin(s.FR, kr)),
+        NA=z3.If(empty, zero, zmin(s.NA, kr)), H=kr,
         A=_shift(s.A), AS=_shift(s.AS), N=_shift(s.N), K=_shift(s.K), WS=_shift(s.WS),
-        NFS=_shift(s.NFS), TAB=_shift(s.TAB),
+        NFS=_shift(s.NFS),
+        TAB=lambda j: z3.And(z3.Not(empty), s.TAB(j + 1)),
     )
-    return Trans("process-failed-load", guard, post, {"kf": kf})
+    return Trans("process-failed-load", guard, post, {"kf": kf, "kr": kr})
 
 
 def _release(s: State, st: int) -> State:
     zero = z3.IntVal(0)
     return replace(s, st=z3.IntVal(st), c=zero, p=zero, f=zero, L=zero, Kp=zero, dq=s.q,
-                   NF=zero, NA=zero, H=zero, TAB=lambda j: z3.BoolVal(False))
+                   NF=zero, FR=zero, NA=zero, H=zero, TAB=lambda j: z3.BoolVal(False))
 
 
 def t_preempt(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
@@ -525,13 +543,15 @@ class Invariant:
 
 def safety_invariant(prm: Params, ar: Arith) -> Invariant:
     """"A block is freed only when it is outside every unprocessed step's window
-    and no rollback can make it needed again": ``NF <= lo(p)`` (every future
-    position is ``>= p``) and ``NF <= lo(WS(j))`` for every step that reads this
-    table; the rest is the bookkeeping that makes it inductive."""
+    and no rollback can make it needed again": every block freed for the
+    window lies below ``FR <= lo(p)`` (every future position is ``>= p``) and
+    ``FR <= lo(WS(j))`` for every step that reads this table; the rest is the
+    bookkeeping that makes it inductive."""
     lo = lambda t: window_lo(prm.kind, t, prm.W, ar)  # noqa: E731
 
     def waiting(s):
-        z = [s.c == 0, s.p == 0, s.f == 0, s.L == 0, s.Kp == 0, s.NF == 0, s.NA == 0, s.H == 0]
+        z = [s.c == 0, s.p == 0, s.f == 0, s.L == 0, s.Kp == 0, s.NF == 0, s.FR == 0, s.NA == 0,
+             s.H == 0]
         return z3.Implies(s.st != RUN, z3.And(s.dq == s.q, *z))
 
     def first(s):
@@ -552,8 +572,8 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
         ("steps-contiguous-from-p", first),
         ("loading-is-first-step", lambda s: z3.Implies(s.L > 0, z3.And(
             s.dq == 0, s.q >= 1, s.p + s.L <= prm.E))),
-        ("null-prefix-in-table", lambda s: z3.And(s.NF >= 0, s.NF <= s.NA)),
-        ("P1-future", lambda s: lo(s.p) >= s.NF),
+        ("null-prefix-in-table", lambda s: z3.And(s.FR >= 0, s.FR <= s.NF, s.NF <= s.NA)),
+        ("P1-future", lambda s: lo(s.p) >= s.FR),
     ]
     single = [
         ("live-step-shape", lambda s, j: z3.Implies(s.live(j), z3.And(
@@ -568,7 +588,7 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
         ("discarded-readers-above-p", lambda s, j: z3.Implies(
             z3.And(j >= 0, j < s.dq, s.TAB(j)), s.WS(j) >= s.p)),
         ("P1-in-flight", lambda s, j: z3.Implies(
-            z3.And(j >= 0, j < s.q, s.TAB(j)), lo(s.WS(j)) >= s.NF)),
+            z3.And(j >= 0, j < s.q, s.TAB(j)), lo(s.WS(j)) >= s.FR)),
     ]
     pair = [
         ("steps-ordered", lambda s, i, j: z3.Implies(
@@ -580,21 +600,27 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
 
 def bound_tokens_ahead(prm: Params, ar: Arith):
     """Tokens the settled manager may hold beyond the settled count: every
-    in-flight step a full batch (``D*M``), plus a connector's load (``E``)."""
-    return ar.mul(prm.D) + prm.E
+    in-flight step a full batch, ``D*M``. (A connector's load adds nothing:
+    admission NULL-pads the slots before the window of the first computed
+    position, so the loaded range counts as settled for the table.)"""
+    return ar.mul(prm.D)
 
 
-def bound_invariant(prm: Params, ar: Arith, formula: str = "code") -> Invariant:
+def bound_invariant(prm: Params, ar: Arith, formula: str = "code", ahead=None) -> Invariant:
     """Live blocks (``NA - NF``) never exceed ``live_bound(g, B, max_model_len,
-    D*M + E)`` (``formula="code"``, the function in ``model/windows.py``) or
-    :func:`exact_bound_tokens` (``formula="exact"``), with the bookkeeping that
-    makes it inductive."""
-    ahead = bound_tokens_ahead(prm, ar)
+    D*M)`` (``formula="code"``, the function in ``model/windows.py``, as the
+    reference sizes its pool) or :func:`exact_bound_tokens` (``formula="exact"``),
+    with the bookkeeping that makes it inductive. ``ahead`` overrides the tokens
+    ahead (``prm.M`` is the sizing before the fix)."""
+    ahead = bound_tokens_ahead(prm, ar) if ahead is None else ahead
     bound_fn = {"code": live_bound_tokens, "exact": exact_bound_tokens}[formula]
     scalar = [
         ("table-covers-high-water", lambda s: z3.And(ar.cb(s.H) == s.NA, s.c <= s.H,
-                                                     s.H <= prm.T, s.L <= prm.E)),
+                                                     s.H <= prm.T, prm.maxlen - 1 >= s.H,
+                                                     s.L <= prm.E)),
         ("high-water-ahead", lambda s: s.H - s.p - s.L <= ar.mul(prm.D)),
+        ("load-padded", lambda s: z3.Implies(s.L > 0, ar.fb(
+            skipped(prm.kind, s.p + s.L, prm.W, ar)) <= s.NF)),
         (f"live-bound-{formula}", lambda s: bound_fn(prm.kind, prm.maxlen, ahead, prm.W, ar)
          >= s.NA - s.NF),
     ]
