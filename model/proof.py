@@ -873,12 +873,21 @@ def format_results(results: list[ProofResult | BoundResult], verbose: bool = Fal
     if proofs:
         lines.append(f"{'kind':<14} {'policy':<12} {'verdict':<9} {'time':>7}  note")
         for r in proofs:
-            note = f"property {r.prop}, {len(r.trace.events) if r.trace else '?'} events" \
-                if r.status == "refuted" else r.detail.splitlines()[0][:60]
+            if r.status == "refuted":
+                n = f"{len(r.trace.events)} events" if r.trace else "no replayable trace"
+                note = f"property {r.prop}, {n}"
+            elif r.status == "proved":
+                slow = max(r.checks, key=lambda c: c.seconds, default=None)
+                note = (f"inductive: init + {len(r.checks) - 1} transitions"
+                        + (f" (slowest {slow.transition} {slow.seconds:.2f}s)" if slow else ""))
+            else:
+                note = r.detail.splitlines()[0][:60]
             lines.append(f"{r.kind:<14} {r.policy:<12} {r.status:<9} {r.seconds:>6.2f}s  {note}")
         for r in proofs:
             if r.status == "refuted":
-                lines += ["", r.detail.split("\n  counterexample to induction")[0]]
+                story, _, rest = r.detail.partition("\n  counterexample to induction")
+                saved = rest.rpartition("; trace saved: ")[2] if "; trace saved: " in rest else ""
+                lines += ["", story] + ([f"  trace saved: {saved}"] if saved else [])
             elif r.status == "unknown":
                 lines += ["", f"{r.kind} / {r.policy}: {r.detail}"]
             if verbose:
@@ -905,8 +914,14 @@ def format_results(results: list[ProofResult | BoundResult], verbose: bool = Fal
     return "\n".join(lines)
 
 
+def format_bounds(bounds: list[BoundResult], verbose: bool = False) -> str:
+    """The admission-bound part of :func:`format_results`."""
+    return format_results(list(bounds), verbose=verbose)
+
+
 __all__ = [
     "BoundExample", "BoundResult", "ProofResult", "StepCheck", "admission_bound",
-    "admission_bounds", "bound_examples", "check_bound", "check_inductive", "format_results",
+    "admission_bounds", "bound_examples", "check_bound", "check_inductive", "format_bounds",
+    "format_results",
     "prove", "prove_all", "search_counterexample",
 ]
