@@ -52,6 +52,7 @@ from .z3model import (
     safety_invariant,
     skipped,
     t_finish,
+    t_free_only,
     t_preempt,
     t_process,
     t_process_discarded,
@@ -67,8 +68,8 @@ SEARCH_TIMEOUT_MS = 10_000
 MAX_TRACE_EVENTS = 6
 MAX_DEPTH = 4  # Config.validate's limit, for the traces
 
-TRANSITIONS = (t_schedule, t_process, t_process_discarded, t_process_failed_load, t_preempt,
-               t_finish)
+TRANSITIONS = (t_schedule, t_free_only, t_process, t_process_discarded, t_process_failed_load,
+               t_preempt, t_finish)
 
 
 # ==================================================================== results

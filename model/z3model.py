@@ -30,15 +30,19 @@ Three layers, each mirrored from the executable model:
    still run on the device.
 
    Transitions: ``schedule`` (admission with a prefix-cache hit ``h`` and,
-   the first time, a connector load ``[h, E)``; or a running step), whose
-   new interval has ``1 <= n <= M`` tokens (``M`` the symbolic batch budget,
-   other requests taking the rest), ``0 <= k <= min(S, n-1)`` drafts; before
-   allocating, the freeing rule frees ``rule(counts)`` leading tokens' blocks
-   (capped at the table), ``counts = (c, f, loading, drafts in flight)`` as in
-   ``model.policy``; ``process`` (the oldest step: any number of its drafts
-   accepted; later steps shift down by the rejected count); ``process`` of a
-   discarded step; ``process`` of a loading step whose load failed at block
-   ``k`` (recompute from ``k*B``); ``preempt``; ``finish``.
+   the first time, a connector load ``[h, E)``, the table NULL-padded before
+   the window of the first computed position; or a running step), whose new
+   interval has ``1 <= n <= M`` tokens (``M`` the symbolic batch budget, other
+   requests taking the rest), ``0 <= k <= min(S, n-1)`` drafts; before
+   allocating, a running request frees by the rule ``rule(counts)`` leading
+   tokens' blocks (capped at the table), ``counts = (c, f, loading, drafts in
+   flight)`` as in ``model.policy``; ``free-only`` (the free happens, the
+   allocation does not fit); ``process`` (the oldest step: any number of its
+   drafts accepted; later steps shift down by the rejected count); ``process``
+   of a discarded step; ``process`` of a loading step whose load failed at
+   block ``k`` (recompute from ``k*B`` or, as the reference does, from the
+   highest block start before it whose window is still held); ``preempt``;
+   ``finish``.
 
 3. **Invariants** (:func:`safety_invariant`, :func:`bound_invariant`) in the
    Ivy style: scalar conjuncts, conjuncts for all ``j`` and for all ``i < j``.
@@ -436,6 +440,17 @@ def t_schedule(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
                   "admit": admit, "loading": ld})
 
 
+def t_free_only(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
+    """A running request's turn in a step frees by the rule, but its new blocks do
+    not fit (it is preempted, or waits): the free stays, nothing is scheduled
+    (vLLM's ``allocate_slots`` frees before it checks the pool)."""
+    counts = Counts(computed=s.c, in_flight=s.f, loading=s.L, spec=s.Kp)
+    freed = rule(prm.kind, counts, prm, ar)
+    nf = zmax(s.NF, zmin(freed, s.NA))
+    post = replace(s, NF=nf, FR=z3.If(nf > s.NF, nf, s.FR))
+    return Trans("free-only", s.st == RUN, post, {}, {"basis_counts": counts, "freed": freed})
+
+
 def t_process(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     """The oldest step (live) is processed: ``acc`` of its ``K(0)`` drafts survive;
     the request's later steps shift down by the ``r = K(0) - acc`` rejected."""
@@ -504,8 +519,8 @@ def t_finish(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     return Trans("finish", s.st != DONE, _release(s, DONE))
 
 
-TRANSITIONS = (t_schedule, t_process, t_process_discarded, t_process_failed_load, t_preempt,
-               t_finish)
+TRANSITIONS = (t_schedule, t_free_only, t_process, t_process_discarded, t_process_failed_load,
+               t_preempt, t_finish)
 
 
 # ================================================================ invariants

@@ -81,8 +81,8 @@ def test_settled_is_proved_for_every_kind(kind):
     assert r.status == "proved", r.detail
     assert r.trace is None and r.prop is None
     names = [c.transition for c in r.checks]
-    assert names[0] == "init" and {"schedule", "process", "process-failed-load", "preempt",
-                                   "finish", "process-discarded"} <= set(names)
+    assert names[0] == "init" and {"schedule", "free-only", "process", "process-failed-load",
+                                   "preempt", "finish", "process-discarded"} <= set(names)
     assert all(c.status == "proved" for c in r.checks)
     assert "depth D>=1" in r.covers and "floor-bounds" in r.covers
     if kind == "chunked_local":
@@ -112,9 +112,9 @@ def test_refutation_is_a_short_loadable_trace(refutations, case):
     assert again.config == r.trace.config
     # the timeline names the freed block and the reading step
     assert "property 1" in r.detail and "freed while step" in r.detail
-    # the induction itself fails at schedule, the only transition that frees
+    # the induction itself fails where the rule frees, and only there
     broken = [c for c in r.checks if c.status != "proved"]
-    assert [c.transition for c in broken] == ["schedule"]
+    assert [c.transition for c in broken] == ["schedule", "free-only"]
 
 
 def test_mamba_local_is_refuted_by_a_rejection(refutations):
@@ -160,7 +160,7 @@ def test_a_broken_rule_is_caught_with_a_counterexample():
         r = prove(kind, "settled+1block", rule=one_more)
         assert r.status == "refuted", (kind, r.detail)
         cti = [c for c in r.checks if c.status == "cti"]
-        assert [c.transition for c in cti] == ["schedule"]
+        assert [c.transition for c in cti] == ["schedule", "free-only"]
         assert any(n.startswith("P1") for n in cti[0].failed)
         assert "before st=" in cti[0].cti  # the counterexample to induction, in values
         assert "property 1" in r.detail
@@ -235,6 +235,7 @@ def test_pre_fix_sizing_is_not_an_invariant():
     for kind in ("sliding", "chunked_local", "mamba"):
         cs = check_bound(kind, "code", pre_fix=True)
         assert [c.transition for c in cs if c.status == "cti"] == ["code pre-fix: schedule"]
+        assert all(c.status == "proved" for c in cs if c.transition != "code pre-fix: schedule")
     assert all(c.status == "proved" for c in check_bound("full", "code", pre_fix=True))
 
 
