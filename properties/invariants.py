@@ -101,6 +101,7 @@ class _Req:
     deferred: list[FreeObs] = field(default_factory=list)
     window_freed: int = 0
     last_freeable: dict[int, int] = field(default_factory=dict)
+    stopped: bool = False  # preempted / waiting since the last time it ran
 
 
 def expected_witnesses(cfg: Config) -> set[str]:
@@ -134,6 +135,7 @@ class Checker:
         self.event_index = -1
         self.violations: list[Violation] = []
         self.failing: set[str] = set()  # requests with a FailLoad pending
+        self.detached: Counter[tuple[str, int, int, int]] = Counter()
         self._bound_default = tuple(
             live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
             for g in cfg.groups
@@ -255,12 +257,16 @@ class Checker:
 
     def _free(self, f: FreeObs) -> None:
         key = (f.rid, f.group, f.logical)
-        if self.holder.get(key) != f.block:
+        dkey = (*key, f.block)
+        if self.holder.get(key) == f.block:
+            del self.holder[key]
+        elif self.detached.get(dkey):
+            self.detached[dkey] -= 1
+        else:
             self._v(3, f"{f.rid} returned block {f.block} (logical {f.logical}, group "
                        f"{f.group}, {f.reason}) that it does not hold (double free?)",
                     rid=f.rid, block=f.block)
             return
-        del self.holder[key]
         n = self.refs[f.block] - 1
         self.refs[f.block] = n
         if n == 0:
@@ -404,6 +410,14 @@ class Checker:
         # the discarded ones; those scheduled before the preemption were marked
         # dead when the request stopped running.
 
+    def _detach(self, rid: str) -> None:
+        """A request stopped running: its table is let go at once, while its
+        blocks may reach the pool later (vLLM defers them behind the steps in
+        flight). A later FreeObs is matched here, so a re-admitted request
+        may take new blocks at the same slots meanwhile."""
+        for key in [k for k in self.holder if k[0] == rid]:
+            self.detached[(*key, self.holder.pop(key))] += 1
+
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
         live = self._live_pending(rid)
@@ -421,16 +435,27 @@ class Checker:
         # The requests not finished, in the target's order, in one tight pass:
         # targets keep finished requests in their counters for good.
         active = [(rid, rc) for rid, rc in c.reqs.items() if rc.status != "finished"]
-        if not active and not self.pending and c.free_blocks != c.total_blocks - 1:
-            self._v(3, f"leak: no request is live and nothing is in flight, yet only "
-                       f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
+        if not self.pending:
+            if not active and c.free_blocks != c.total_blocks - 1:
+                self._v(3, f"leak: no request is live and nothing is in flight, yet only "
+                           f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
+            for rid, rc in active:
+                if rc.in_flight:
+                    self._v(4, f"{rid} reports {rc.in_flight} tokens in flight while no step "
+                               f"is in flight", rid=rid)
         bound = c.bound or self._bound_default
         nbound = len(bound)
         live_map = None  # rid -> its live unprocessed parts, built once per call
         for rid, rc in active:
             status = rc.status
             if status == "preempted" or status == "waiting":
-                self.mark_dead(rid, preempted=True)
+                req = self.reqs[rid]
+                if not req.stopped:
+                    req.stopped = True
+                    self.mark_dead(rid, preempted=True)
+                    self._detach(rid)
+            else:
+                self.reqs[rid].stopped = False
             for gi, n in enumerate(rc.live):
                 if gi < nbound and n > bound[gi]:
                     self._v(5, f"{rid} holds {n} live blocks in group {gi} "
@@ -447,8 +472,15 @@ class Checker:
             for pp in live:
                 exp_f += pp.rs.end - pp.rs.start
             if rc.in_flight is not None and rc.in_flight != exp_f:
-                self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
-                           f"steps hold {exp_f}", rid=rid)
+                # f must cover every live in-flight token (less would free
+                # on a count ahead of the device) and count nothing that is
+                # not in flight; steps whose output will be dropped may count
+                all_f = sum(pp.rs.end - pp.rs.start for step in self.pending for pp in step
+                            if pp.rs.rid == rid)
+                if not exp_f <= rc.in_flight <= all_f:
+                    self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
+                               f"steps hold {exp_f}" + (f" ({all_f} with discarded outputs)"
+                                                        if all_f != exp_f else ""), rid=rid)
             req = self.reqs.get(rid)
             if req is not None and req.p is not None and live:
                 loading = live[0].rs.loaded
