@@ -5,9 +5,9 @@
 
 * **proved**: the invariant of :func:`model.z3model.safety_invariant` ("a
   block is freed only when it is outside every unprocessed step's window and
-  no rollback can make it needed again") holds initially and is preserved by
-  every transition, each checked on its own (Ivy style) for symbolic
-  parameters;
+  no rollback can make it needed again", and no live step ever reads a NULL
+  slot of its table) holds initially and is preserved by every transition,
+  each checked on its own (Ivy style) for symbolic parameters;
 * **refuted**: induction fails, and a bounded search from the initial state
   (concrete scheduler: one request, chunked prefill, ``1 + spec`` tokens per
   decode) finds a short run that frees a block an unprocessed step reads
@@ -297,9 +297,10 @@ def covers_text(kind: str, lemmas: list[str]) -> str:
         f"{kind}: all B>=1, {_kind_params(kind)}, depth D>=1 (any, unbounded), spec S>=0, "
         "budget M>S (chunks of 1..M tokens, 0..min(S,n-1) drafts each), prompt P>=1, "
         "max_new N>=1, max_model_len>=P+N, external tokens 0<=E<P, prefix-cache hits "
-        "(multiples of B); every interleaving of schedule / process (any number of drafts "
-        "accepted) / failed load / preempt / finish of one request, other requests only "
-        "through the budget and preemption; lemmas (each proved for all integers): "
+        "(multiples of B); every interleaving of schedule / free without schedule / process "
+        "(any number of drafts accepted) / failed load / preempt / finish of one request, "
+        "other requests only through the budget and preemption; lemmas (each proved for all "
+        "integers): "
         + ", ".join(lemmas)
     )
 
@@ -794,8 +795,9 @@ def check_bound(kind: str, formula: str = "code", pre_fix: bool = False) -> list
     safety = safety_invariant(prm, ar)
     # the safety invariant is proved inductive by prove(kind, "settled"); here its
     # bookkeeping conjuncts are assumed in the pre-state
-    support = Invariant([x for x in safety.scalar if not x[0].startswith("P1")],
-                        [x for x in safety.single if not x[0].startswith("P1")], safety.pair)
+    props = ("P1", "P2")
+    support = Invariant([x for x in safety.scalar if not x[0].startswith(props)],
+                        [x for x in safety.single if not x[0].startswith(props)], safety.pair)
     goal = bound_invariant(prm, ar, formula, ahead=prm.M if pre_fix else None)
     cs = check_inductive(prm, ar, goal, rule, hyp=support.extend(goal),
                          lemmas=_lemma_names(kind, formula),

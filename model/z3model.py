@@ -560,8 +560,11 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
     """"A block is freed only when it is outside every unprocessed step's window
     and no rollback can make it needed again": every block freed for the
     window lies below ``FR <= lo(p)`` (every future position is ``>= p``) and
-    ``FR <= lo(WS(j))`` for every step that reads this table; the rest is the
-    bookkeeping that makes it inductive."""
+    ``FR <= lo(WS(j))`` for every step that reads this table (property 1,
+    conjuncts ``P1-*``). Also no live step reads a NULL slot of the table it was
+    scheduled with, after any rejections, nor does any future step (property 2,
+    ``P2-*``: the null prefix, freed or padded, stays below ``lo(p + L)`` and
+    ``lo(WS(j))``). The rest is the bookkeeping that makes it inductive."""
     lo = lambda t: window_lo(prm.kind, t, prm.W, ar)  # noqa: E731
 
     def waiting(s):
@@ -589,6 +592,7 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
             s.dq == 0, s.q >= 1, s.p + s.L <= prm.E))),
         ("null-prefix-in-table", lambda s: z3.And(s.FR >= 0, s.FR <= s.NF, s.NF <= s.NA)),
         ("P1-future", lambda s: lo(s.p) >= s.FR),
+        ("P2-future", lambda s: z3.Implies(s.st == RUN, lo(s.p + s.L) >= s.NF)),
     ]
     single = [
         ("live-step-shape", lambda s, j: z3.Implies(s.live(j), z3.And(
@@ -604,6 +608,8 @@ def safety_invariant(prm: Params, ar: Arith) -> Invariant:
             z3.And(j >= 0, j < s.dq, s.TAB(j)), s.WS(j) >= s.p)),
         ("P1-in-flight", lambda s, j: z3.Implies(
             z3.And(j >= 0, j < s.q, s.TAB(j)), lo(s.WS(j)) >= s.FR)),
+        ("P2-in-flight", lambda s, j: z3.Implies(
+            s.live(j), z3.And(s.NFS(j) <= s.NF, lo(s.WS(j)) >= s.NF))),
     ]
     pair = [
         ("steps-ordered", lambda s, i, j: z3.Implies(

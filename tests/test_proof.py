@@ -89,6 +89,14 @@ def test_settled_is_proved_for_every_kind(kind):
         assert "chunk-mono" in r.covers
 
 
+def test_the_invariant_states_both_properties():
+    from model.z3model import make_params, safety_invariant
+
+    prm = make_params("sliding")
+    names = safety_invariant(prm, prm.arith(abstract=True)).names()
+    assert {"P1-future", "P1-in-flight", "P2-future", "P2-in-flight"} <= set(names)
+
+
 def test_full_attention_frees_nothing_under_any_policy():
     for policy in ("optimistic", "mamba-local"):
         assert prove("full", policy).status == "proved"
