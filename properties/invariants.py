@@ -405,6 +405,16 @@ class Checker:
                 for later in self._live_pending(rid):
                     later.shift += rejected
                     self._check_reads(later, f"shifted down {later.shift} by rejection")
+        # A failed load hits every request holding the bad blocks (a prefix-cache
+        # hit shares them), not only the one that loaded: those recompute too.
+        in_row = {pp.rs.rid for pp in row}
+        for rid, k in failed.items():
+            if rid not in in_row:
+                self.failing.discard(rid)
+                self.witness["failed_load"] += 1
+                self.reqs[rid].p = k * self.B
+                for later in self._live_pending(rid):
+                    later.dead = True
         # A discarded output says nothing about later steps: a request that
         # resumed at once after a preemption (vLLM 0.25.1) has live steps after
         # the discarded ones; those scheduled before the preemption were marked
