@@ -898,6 +898,11 @@ def format_results(results: list[ProofResult | BoundResult], verbose: bool = Fal
                 lines += [f"    {c.transition:<22} {c.status:<8} {c.seconds:.2f}s"
                           + (f"  breaks {', '.join(c.failed)}" if c.failed else "")
                           for c in r.checks]
+    if verbose:
+        lines += ["", "lemmas (for all integers x, y and B, C >= 1, M >= 0; nonlinear, "
+                      "proved once and instantiated in the proofs):"]
+        lines += [f"    {r.name:<24} {r.status:<8} {r.seconds:.3f}s  {r.text}"
+                  for r in prove_lemmas()]
     if bounds:
         if lines:
             lines.append("")

@@ -14,6 +14,8 @@ Three layers, each mirrored from the executable model:
 
        table      [ NULL | NULL | b7 | b3 | b9 | b2 ]
                   0      B     NF=2B           NA=6B
+       (``FR <= NF``: the end of the blocks freed for the window; the rest of
+        the NULL prefix was padded at admission and never allocated)
        steps in flight (oldest first), contiguous from the settled count p:
                   p+L         A(1)        A(2)          c
                   |-- step 0 --|-- step 1 --|-- step 2 --|
