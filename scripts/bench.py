@@ -1064,7 +1064,8 @@ def plot_growth(rows: list[dict[str, Any]], st: Settings, path: Path) -> dict[st
 def _func_name(key: tuple[str, int, str]) -> str:
     file, line, name = key
     if file == "~" or file.startswith("<"):
-        return f"built-in {name.strip('<>')}"
+        n = name.strip("<>")
+        return n if n.startswith("built-in") else f"built-in {n}"
     try:
         rel = Path(file).resolve().relative_to(ROOT)
         where = str(rel)
