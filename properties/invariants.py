@@ -258,10 +258,12 @@ class Checker:
     def _free(self, f: FreeObs) -> None:
         key = (f.rid, f.group, f.logical)
         dkey = (*key, f.block)
-        if self.holder.get(key) == f.block:
-            del self.holder[key]
-        elif self.detached.get(dkey):
+        if self.detached.get(dkey):
+            # the old incarnation's deferred free, even if the re-admitted
+            # request took the same block again (a prefix-cache hit)
             self.detached[dkey] -= 1
+        elif self.holder.get(key) == f.block:
+            del self.holder[key]
         else:
             self._v(3, f"{f.rid} returned block {f.block} (logical {f.logical}, group "
                        f"{f.group}, {f.reason}) that it does not hold (double free?)",
