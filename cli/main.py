@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--block-size", type=int, default=None)
     f.add_argument("--no-external", action="store_true",
                    help="no connector-loaded tokens (and so no failed loads)")
+    f.add_argument("--no-failed-loads", action="store_true",
+                   help="connector loads never fail (to fuzz past a known failed-load finding)")
     f.add_argument("--examples", type=int, default=200)
     f.add_argument("--steps", type=int, default=30, help="events per example at most")
     f.add_argument("--seed", type=int, default=None)
@@ -155,7 +157,7 @@ def cmd_fuzz(a) -> int:
                     spec_tokens=a.spec_tokens, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
-                    props=_parse_props(a.props))
+                    props=_parse_props(a.props), fail_loads=not a.no_failed_loads)
     _validate_spec(spec, a)
     db = None
     if a.db:

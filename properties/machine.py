@@ -66,12 +66,14 @@ class FuzzSpec:
     prefix_caching: bool | None = None
     block_size: int | None = None
     external: bool = True  # whether requests may carry connector-loaded tokens
+    fail_loads: bool = True  # whether connector loads may fail
     max_steps: int = 30
     props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6})  # the properties enforced
 
     def key(self) -> str:
         return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
                 f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
+                + ("" if self.fail_loads else "|nofail")
                 + ("" if len(self.props) == 6 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
@@ -253,7 +255,7 @@ class KVMachine(RuleBasedStateMachine):
                     out.append((pp.rs.rid, lo, hi))
         return out
 
-    @precondition(lambda self: bool(self._loading()))
+    @precondition(lambda self: self.spec.fail_loads and bool(self._loading()))
     @rule(data=st.data())
     def fail_load(self, data: st.DataObject) -> None:
         rid, lo, hi = data.draw(st.sampled_from(self._loading()), label="load")
