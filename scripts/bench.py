@@ -1041,7 +1041,7 @@ def plot_growth(rows: list[dict[str, Any]], st: Settings, path: Path) -> dict[st
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("CPU µs per step (median; with the vLLM worker)")
+        ax.set_ylabel("CPU µs per step (median)")
         ax.grid(True, which="both", alpha=0.3)
     handles: dict[str, Any] = {}
     for ax in axes[0]:
@@ -1050,7 +1050,8 @@ def plot_growth(rows: list[dict[str, Any]], st: Settings, path: Path) -> dict[st
     if handles:
         fig.legend(list(handles.values()), list(handles), loc="lower center",
                    ncol=min(6, len(handles)), fontsize=8, frameon=False)
-    fig.suptitle("step cost against concurrency and prompt length (CPU time)")
+    fig.suptitle("step cost against concurrency and prompt length (CPU time, vLLM worker "
+                 "included)")
     fig.tight_layout(rect=(0, 0.09 if handles else 0, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
