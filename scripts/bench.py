@@ -87,7 +87,7 @@ SUBJECTS = (
             None, 1),
     Subject("reference optimistic chunked-local, depth 2", "reference", "chunked_local",
             "optimistic", 2, None, 1),
-    Subject("reference mamba-local on sliding, --spec-tokens 2", "reference", "sliding",
+    Subject("reference mamba-local on sliding, --spec-tokens 2 --props 2", "reference", "sliding",
             "mamba-local", None, 2, 2),
     Subject("vllm@0.25.1 sliding, depth 2", "vllm@0.25.1", "sliding", "optimistic", 2, None, 1),
     Subject("vllm@0.25.1 chunked-local, depth 2", "vllm@0.25.1", "chunked_local", "optimistic",
@@ -686,7 +686,8 @@ def detect_once(subject: Subject, target: Any, seed: int, examples: int) -> dict
 
     fs = FuzzSpec(target=subject.target, kind=subject.kind, policy=subject.policy,
                   depth=subject.depth, spec_tokens=subject.spec_tokens,
-                  external=not subject.target.startswith("vllm"))
+                  external=not subject.target.startswith("vllm"),
+                  props=frozenset({subject.expected_prop}))
     first: dict[str, Any] = {}
     count = [0]
     t0 = time.perf_counter()
