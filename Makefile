@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
 VLLM ?= 0.33.0
 TEST_VLLM := 0.25.1 0.33.0
-EXAMPLES ?= 300
+EXAMPLES ?= 1000
 NIGHTLY_MINUTES ?= 30
 
 .PHONY: venv vllm vllms check test prove attention fuzz lint bench nightly gpu-check clean help

@@ -87,6 +87,11 @@ def _prove_rows(a) -> list[Row]:
             detail = f"trace {path}"
         rows.append(Row("prove", f"{r.kind} {r.policy}", verdict, expected_ok, detail[:100],
                         r.seconds))
+    for b in proof.admission_bounds():
+        ok = b.status == "proved"
+        rows.append(Row("prove", f"bound {b.kind}", b.status, ok,
+                        f"{b.formula}; sufficient {b.sufficient}, tight {b.tight}"[:100],
+                        b.seconds))
     return rows
 
 
