@@ -292,6 +292,10 @@ class Checker:
                     if self.null_reads(r, 0):
                         bad.append(f"step {i.step} {r.rid} reads NULL {self.null_reads(r, 0)}")
             elif isinstance(i, ProcessObs):
+                # A window free after an output (a connector's finish path of
+                # a request that ended there) counts on the request's final
+                # counts (properties/invariants.py tracks them exactly).
+                prev = o.counters
                 drafts = {e[0].rid: e[0].spec for e in self.steps.pop(i.step)}
                 for rid, a in i.accepted:
                     rej = drafts[rid] - a
@@ -499,7 +503,10 @@ def test_invalid_events_are_refused():
     t.apply(Process())
     t.apply(Schedule())
     assert t.can_apply(Process({"a": 1})) and not t.can_apply(Process({"a": 2}))
-    t.apply(Finish("a"))
+    o = t.apply(Finish("a"))  # depth 1: held while the step runs
+    assert o.items == [] and t.can_apply(Abort("a"))
+    o = t.apply(Process())
+    assert o.items[0].discarded == ("a",) and o.items[1] == FinishObs("a", "finish")
     assert not t.can_apply(Abort("a"))
     with pytest.raises(Unsupported):
         t.reset(Config(groups=(Group("sliding", 0),)))

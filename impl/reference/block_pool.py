@@ -19,10 +19,13 @@ blocks with a hash appended, so the list is always "unhashed, then hashed"
 and two containers give the same order: a deque for the head part and an
 insertion-ordered dict (O(1) removal on a cache hit) for the tail part.
 
-Prefix caching: a full block of prompt positions is keyed by
-``(group, hash of the prompt tokens up to and including that block)``. Every
-request's prompt is the same token stream (:func:`prompt_token`), so two
-requests share their prompts' common block-aligned prefix.
+Prefix caching: a full block is keyed by ``(group, hash of the request's
+tokens up to and including that block)``. Every request's prompt is the same
+token stream (:func:`prompt_token`) and every generated token is
+:data:`OUTPUT_TOKEN` (what the vLLM target samples), so two requests share
+their prompts' common block-aligned prefix, and a block holding generated
+tokens is hit by a request with the same prompt length and outputs (a
+preempted request resuming, above all).
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def prompt_token(t: int) -> int:
     return (t * 7919 + 17) % 32000
 
 
+OUTPUT_TOKEN = 7  # every generated token (the vLLM target samples the same)
+
 _HASH_CHAINS: dict[int, list[int]] = {}
+_REQUEST_CHAINS: dict[tuple[int, int], list[int]] = {}
 
 
 def block_hashes(block_size: int, num_blocks: int) -> list[int]:
@@ -52,6 +58,23 @@ def block_hashes(block_size: int, num_blocks: int) -> list[int]:
     parent = chain[-1] if chain else 0
     for i in range(len(chain), num_blocks):
         tokens = tuple(prompt_token(t) for t in range(i * block_size, (i + 1) * block_size))
+        parent = hash((parent, tokens))
+        chain.append(parent)
+    return chain
+
+
+def request_block_hashes(block_size: int, prompt_len: int, num_blocks: int) -> list[int]:
+    """Chained hashes of the first ``num_blocks`` full blocks of a request with
+    ``prompt_len`` prompt tokens followed by generated ones (memoized)."""
+    full = prompt_len // block_size
+    key = (block_size, prompt_len)
+    chain = _REQUEST_CHAINS.get(key)
+    if chain is None:
+        chain = _REQUEST_CHAINS[key] = list(block_hashes(block_size, full)[:full])
+    parent = chain[-1] if chain else 0
+    for i in range(len(chain), num_blocks):
+        tokens = tuple(prompt_token(t) if t < prompt_len else OUTPUT_TOKEN
+                       for t in range(i * block_size, (i + 1) * block_size))
         parent = hash((parent, tokens))
         chain.append(parent)
     return chain
@@ -142,6 +165,11 @@ class BlockPool:
             return
         self.key[b] = k
         self.cached.setdefault(k, {})[b] = None
+
+    def uncache(self, blocks: list[int]) -> None:
+        """Forget the prefix-cache keys of ``blocks`` (their contents are bad)."""
+        for b in blocks:
+            self._evict(b)
 
     def _evict(self, b: int) -> None:
         k = self.key[b]

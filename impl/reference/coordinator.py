@@ -17,7 +17,7 @@ from __future__ import annotations
 from model.events import Config
 from model.observations import AllocObs, FreeObs, Item
 
-from .block_pool import BlockPool, block_hashes
+from .block_pool import BlockPool, request_block_hashes
 from .managers import Change, SingleTypeManager, make_manager
 
 Held = tuple[int, int, int]  # (group, logical slot, physical block)
@@ -29,9 +29,10 @@ class Coordinator:
         self.pool = pool
         self.sink = sink
         self.managers: list[SingleTypeManager] = [
-            make_manager(g, i, pool, self.B) for i, g in enumerate(config.groups)
+            make_manager(g, i, pool, self.B, config.spec_tokens)
+            for i, g in enumerate(config.groups)
         ]
-        self.hashes = block_hashes(self.B, config.max_model_len // self.B + 1)
+        self.num_hashes = config.max_model_len // self.B + 1
         self.live: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ observing
@@ -83,9 +84,13 @@ class Coordinator:
         for m in self.managers:
             self._alloc(rid, m.gid, m.allocate_new_blocks(rid, num_tokens), False)
 
-    def cache_blocks(self, rid: str, num_tokens: int) -> None:
+    def hashes(self, prompt_len: int) -> list[int]:
+        """Block hashes of a request with ``prompt_len`` prompt tokens."""
+        return request_block_hashes(self.B, prompt_len, self.num_hashes)
+
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
         for m in self.managers:
-            m.cache_blocks(rid, num_tokens, self.hashes)
+            m.cache_blocks(rid, num_tokens, hashes)
 
     def pop_for_free(self, rid: str) -> list[list[Held]]:
         """Forget the request's tables; per group its held slots in table order,
@@ -103,7 +108,8 @@ class Coordinator:
 
     # ------------------------------------------------------ first allocation
 
-    def find_longest_cache_hit(self, max_len: int) -> tuple[list[list[int]], int]:
+    def find_longest_cache_hit(self, max_len: int,
+                               hashes: list[int]) -> tuple[list[list[int]], int]:
         """The longest prefix every group can resume from, at most ``max_len``.
 
         Fixed point as in vLLM's hybrid coordinator: each group accepts the
@@ -112,11 +118,11 @@ class Coordinator:
         while True:
             lowest = hit
             for m in self.managers:
-                lowest = min(lowest, m.find_longest_cache_hit(lowest, self.hashes)[1])
+                lowest = min(lowest, m.find_longest_cache_hit(lowest, hashes)[1])
             if lowest == hit:
                 break
             hit = lowest
-        return [m.find_longest_cache_hit(hit, self.hashes)[0] for m in self.managers], hit
+        return [m.find_longest_cache_hit(hit, hashes)[0] for m in self.managers], hit
 
     def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int) -> int:
         return sum(m.admission_cost(h, computed, num_tokens)

@@ -33,11 +33,14 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeManager:
     """Block tables of one group; the kind-specific parts are overridden."""
 
-    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> None:
         self.group = group
         self.gid = gid
         self.pool = pool
         self.B = block_size
+        # slots held beyond the scheduled tokens (Mamba's speculative blocks)
+        self.extra_tokens = 0
         self.tables: dict[str, list[int]] = {}
         # leading slots already offered to the prefix cache (vLLM's num_cached_block)
         self.num_cached: dict[str, int] = {}
@@ -100,11 +103,12 @@ class SingleTypeManager:
     def get_num_blocks_to_allocate(self, rid: str, num_tokens: int) -> int:
         """New blocks a running request needs to hold slots for ``num_tokens``.
         (After a rejection the table can be longer than needed: 0 then.)"""
+        num_tokens += self.extra_tokens
         return max(0, cdiv(num_tokens, self.B) - len(self.tables.get(rid, ())))
 
     def allocate_new_blocks(self, rid: str, num_tokens: int) -> list[Change]:
         table = self.tables.setdefault(rid, [])
-        n = cdiv(num_tokens, self.B) - len(table)
+        n = cdiv(num_tokens + self.extra_tokens, self.B) - len(table)
         if n <= 0:
             return []
         first = len(table)
@@ -119,7 +123,8 @@ class SingleTypeManager:
         pad = self.get_num_skipped_tokens(computed) // self.B
         ref = self.pool.ref
         evictable = sum(1 for b in hit[pad:] if b != NULL and ref[b] == 0)
-        return max(0, cdiv(num_tokens, self.B) - max(pad, len(hit))) + evictable
+        need = cdiv(num_tokens + self.extra_tokens, self.B)
+        return max(0, need - max(pad, len(hit))) + evictable
 
     def add_computed_blocks(self, rid: str, hit: list[int], computed: int) -> list[Change]:
         """First-time allocation, phase 1: NULL-pad the slots skipped at
@@ -197,7 +202,8 @@ class SlidingWindowManager(SingleTypeManager):
     blocks (the window of the first recomputed token); slots before them are
     NULL. A shorter run that reaches block 0 is a hit too."""
 
-    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> None:
         super().__init__(group, gid, pool, block_size)
         self.window = group.param
 
@@ -238,7 +244,8 @@ class ChunkedLocalManager(SingleTypeManager):
     Prefix hit: slots before the chunk of ``max_len`` are NULL (no lookup
     needed: nothing reads them), then cached blocks from the chunk start."""
 
-    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> None:
         super().__init__(group, gid, pool, block_size)
         self.chunk = group.param
 
@@ -271,7 +278,15 @@ class MambaManager(SingleTypeManager):
     A full slot therefore holds the state after its last position, which is
     what a prefix hit resumes from: the hit is the right-most cached block,
     with NULL before it. Slots are allocated like attention slots
-    (``cdiv(tokens, B)``), and only the trailing ones stay live."""
+    (``cdiv(tokens, B)``), plus one speculative slot per spec token (vLLM's
+    ``num_speculative_blocks``, which a model with drafts sets to the number
+    of spec tokens, allocated as ``B`` more tokens each), and only the
+    trailing ones stay live."""
+
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> None:
+        super().__init__(group, gid, pool, block_size)
+        self.extra_tokens = spec_tokens * block_size
 
     def get_num_skipped_tokens(self, n: int) -> int:
         return max(0, n - 1)
@@ -293,5 +308,6 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
 }
 
 
-def make_manager(group: Group, gid: int, pool: BlockPool, block_size: int) -> SingleTypeManager:
-    return MANAGERS[group.kind](group, gid, pool, block_size)
+def make_manager(group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> SingleTypeManager:
+    return MANAGERS[group.kind](group, gid, pool, block_size, spec_tokens)

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 
 from model.events import Config
-from model.observations import FinishObs, Item, ProcessObs, ReqCounters, ReqStep, StepObs
+from model.observations import NULL, FinishObs, Item, ProcessObs, ReqCounters, ReqStep, StepObs
 from model.policy import Counts, basis
 from model.windows import live_bound
 
@@ -55,8 +55,8 @@ from .coordinator import Coordinator, Held
 class Request:
     __slots__ = (
         "rid", "prompt_len", "max_new", "external", "status", "computed", "in_flight",
-        "loading", "spec", "generated", "offered", "load_from", "entries", "stale",
-        "last_step",
+        "loading", "spec", "generated", "offered", "entries", "stale",
+        "last_step", "prefill_chunk",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
@@ -71,17 +71,23 @@ class Request:
         self.spec = 0  # draft tokens among the in-flight tokens
         self.generated = 0  # output tokens known (processed)
         self.offered = False  # the connector offers external tokens once, at first admission
-        self.load_from = 0  # the prefix-cache hit the load started from
         self.entries: deque[Entry] = deque()  # unprocessed, still counting
         self.stale = 0  # unprocessed entries whose output is discarded
         self.last_step = -1  # index of the last step that scheduled the request
+        self.prefill_chunk = False  # its last step stopped short of the known tokens
+
+    def placeholders(self) -> int:
+        """Tokens its unprocessed sampling steps will output at most (vLLM's
+        ``num_output_placeholders``): one sampled token plus the drafts each."""
+        return sum(1 + e.spec for e in self.entries if e.samples)
 
 
 class Entry:
     """One request's share of one step: positions ``[start, end)``, the last
     ``spec`` of them drafts, ``loaded`` positions before ``start`` loaded."""
 
-    __slots__ = ("rid", "start", "end", "spec", "loaded", "tables", "shift", "discarded", "fail")
+    __slots__ = ("rid", "start", "end", "spec", "loaded", "tables", "shift", "discarded", "fail",
+                 "samples")
 
     def __init__(self, rid: str, start: int, end: int, spec: int, loaded: int,
                  tables: tuple[tuple[int, ...], ...]) -> None:
@@ -92,8 +98,9 @@ class Entry:
         self.loaded = loaded
         self.tables = tables
         self.shift = 0  # positions rolled back by rejections in earlier steps
-        self.discarded = False
+        self.discarded: str | None = None  # "dropped" or "stale" (preempted)
         self.fail: int | None = None  # first bad block of a failed load
+        self.samples = False  # reaches the known tokens: its output is a sampled token
 
 
 class Step:
@@ -120,13 +127,17 @@ class Scheduler:
         self.num_processed = 0
         self.deferred: list[tuple[int, str, list[Held], str]] = []  # (fence step, rid, blocks, why)
         self.just_finished: list[Request] = []  # for the counters snapshot
+        self.held: list[tuple[str, str]] = []  # depth 1: (finish | abort | preempt, rid)
         self.defer_request_frees = config.hazard == "unordered"
         self.no_hits: list[list[int]] = [[] for _ in config.groups]
         # What the pool is sized for: the settled basis keeps at most
         # depth * budget tokens beyond the count it frees on.
         ahead = config.depth * config.max_num_batched_tokens
+        # Mamba also holds one speculative slot per spec token.
         self.bound = tuple(
-            live_bound(g, self.B, config.max_model_len, ahead) for g in config.groups
+            live_bound(g, self.B, config.max_model_len, ahead)
+            + (config.spec_tokens if g.kind == "mamba" else 0)
+            for g in config.groups
         )
 
     # ================================================================ events
@@ -142,6 +153,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         entries: list[Entry] = []
         preempted = False
+        prefill = False  # a running request's prefill chunk is in this step
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -150,6 +162,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            prefill |= r.prefill_chunk
             # Free what the window no longer needs before allocating, even if
             # the allocation then fails (vLLM's allocate_slots).
             self.coord.remove_skipped_blocks(r.rid, self._bases(r))
@@ -173,7 +186,7 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, entries)
+            budget = self._admit_waiting(budget, entries, prefill)
         if entries:
             idx = self.num_scheduled
             self.num_scheduled += 1
@@ -185,26 +198,46 @@ class Scheduler:
     def process(self, accepted: dict[str, int]) -> None:
         """The oldest step's output: drafts accepted or rejected, tokens sampled,
         requests at their last token finished, failed loads rolled back."""
+        held, self.held = self.held, []
+        # Depth 1: requests ended while this step ran (their output is dropped).
+        ending = {rid: why for why, rid in held if why != "preempt"}
         step = self.steps.popleft()
         self.num_processed += 1
         acc: list[tuple[str, int]] = []
         discarded: list[str] = []
         failed: list[tuple[str, int]] = []
         after: list[tuple[Request, int | None]] = []  # (request, first bad block | None=finish)
+        fails = {e.rid: e.fail for e in step.entries
+                 if e.fail is not None and not e.discarded and e.rid not in ending}
+        if fails:
+            fails = self._spread_failures(fails, ending)
         for e in step.entries:
             r = self.requests[e.rid]
             if e.discarded:
                 r.stale -= 1
-                discarded.append(e.rid)
+                if e.discarded == "stale" and e.samples and r.status != "finished":
+                    # A preempted request's output still arrives (vLLM 0.33
+                    # delivers it): its tokens count, its rejections do not.
+                    a = accepted.get(e.rid, e.spec)
+                    acc.append((e.rid, a))
+                    r.generated = min(r.max_new, r.generated + 1 + a)
+                    if r.generated >= r.max_new:
+                        after.append((r, None))
+                else:
+                    discarded.append(e.rid)
                 continue
             r.entries.popleft()
             r.in_flight -= e.end - e.start
             r.spec -= e.spec
             r.loading -= e.loaded
-            if e.fail is not None:
+            if e.rid in ending:
                 discarded.append(e.rid)
-                failed.append((e.rid, e.fail))
-                after.append((r, e.fail))
+                continue
+            bad = fails.pop(e.rid, None) if fails else None
+            if bad is not None:
+                discarded.append(e.rid)
+                failed.append((e.rid, bad))
+                after.append((r, bad))
                 continue
             a = accepted.get(e.rid, e.spec)
             acc.append((e.rid, a))
@@ -217,17 +250,56 @@ class Scheduler:
                     later.shift += rejected
             end = e.end - e.shift - rejected  # last position really computed + 1
             if end >= r.prompt_len:
-                r.generated = max(r.generated, min(r.max_new, end + 1 - r.prompt_len))
+                out = end + 1 - r.prompt_len  # output tokens known after this step
+                if out > r.max_new:
+                    # A length stop inside accepted drafts: the tokens past
+                    # it are dropped and no longer count as computed.
+                    r.computed -= out - r.max_new
+                r.generated = max(r.generated, min(r.max_new, out))
                 if r.generated >= r.max_new:
                     after.append((r, None))
+            if e.samples and self.cfg.prefix_caching and (
+                    self.cfg.depth > 1 or self.cfg.spec_tokens):
+                # vLLM also caches on the settled count once an output
+                # with placeholders or drafts arrives.
+                self._cache(r, r.computed - r.in_flight)
+        for rid, bad in fails.items():  # holders of the bad blocks outside this step
+            failed.append((rid, bad))
+            after.append((self.requests[rid], bad))
         self.sink.append(ProcessObs(step.idx, tuple(acc), tuple(discarded), tuple(failed)))
+        for rid, why in ending.items():
+            if self.requests[rid].status != "finished":
+                self._finish(self.requests[rid], why, window=False)
         for r, bad in after:
             if bad is None:
                 self._finish(r, "length")
             else:
                 self._fail_load(r, bad)
+        for why, rid in held:
+            r = self.requests[rid]
+            if why == "preempt" and r.status == "running":
+                self.preempt(rid)
         if self.deferred:
             self._drain_deferred()
+
+    def hold(self, why: str, rid: str) -> bool:
+        """Synchronous scheduling (depth 1): vLLM's engine never ends or
+        preempts a request while its one step runs. An abort or a stop that
+        arrives meanwhile is applied after the step ran, right before its
+        output is processed (the engine's aborts queue): the output is
+        dropped; a preemption happens in the next ``schedule()``, after that
+        output. Returns whether the event was held for the next Process.
+
+        A held end skips a connector's out-of-window free on the finish path:
+        on the settled count it frees nothing there (the count is the one the
+        step was scheduled on, and that schedule freed already), and on any
+        other count it would free, labelled ``window``, blocks that go back
+        at the same moment anyway; so every policy behaves the same at depth 1
+        (vLLM 0.25.1 does label them ``window``)."""
+        if self.cfg.depth == 1 and self.steps:
+            self.held.append((why, rid))
+            return True
+        return False
 
     def preempt(self, rid: str) -> None:
         r = self.requests[rid]
@@ -270,26 +342,31 @@ class Scheduler:
             [ 0 ............ c ............ known )      n = min(known - c, budget)
 
         otherwise a decode: the last sampled token (or the placeholder of a
-        token still in flight) plus ``spec_tokens`` drafts, never past
-        ``prompt_len + max_new_tokens`` (nor ``max_model_len - 1``, vLLM's
-        cap on the bonus position), and not at all once the steps in flight
-        produce the last token even if all their drafts are rejected."""
+        token still in flight) plus ``spec_tokens`` drafts, capped only by
+        ``max_model_len - 1`` (vLLM's cap on the bonus position): near the end
+        of a request the drafts may reach past ``prompt_len +
+        max_new_tokens``, as in vLLM (the tokens past the end are dropped when
+        the output arrives). A request is skipped when the steps in flight
+        produce its last token even if all their drafts are rejected (vLLM's
+        ``num_computed_tokens + 2 - num_output_placeholders`` test)."""
         if r.stale:
             return 0, 0
         p, c = r.prompt_len, r.computed
+        ph = r.placeholders()
+        if ph and c + 2 - ph >= p + r.max_new:
+            return 0, 0
         known = p + r.generated
         if c < p or c < known - 1:
             return min(known - c, budget), 0
-        if c - r.spec + 1 - p >= r.max_new:
-            return 0, 0
-        limit = min(p + r.max_new, self.cfg.max_model_len - 1)
-        n = min(1 + self.cfg.spec_tokens, budget, limit - c)
+        n = min(1 + self.cfg.spec_tokens, budget, self.cfg.max_model_len - 1 - c)
         if n <= 0:
             return 0, 0
         return n, n - 1
 
     def _put_in_flight(self, r: Request, n: int, spec: int, loaded: int) -> Entry:
         e = Entry(r.rid, r.computed, r.computed + n, spec, loaded, self.coord.tables(r.rid))
+        e.samples = r.computed + n >= r.prompt_len + r.generated + r.placeholders()
+        r.prefill_chunk = not e.samples
         r.computed += n
         r.in_flight += n
         r.spec += spec
@@ -297,21 +374,28 @@ class Scheduler:
         r.entries.append(e)
         r.last_step = self.num_scheduled
         if self.cfg.prefix_caching:
-            # Cache full prompt blocks of the scheduled positions (vLLM caches
-            # at schedule time), but not loaded blocks before their load is
-            # known to have succeeded.
-            upto = min(r.computed, r.prompt_len)
-            if r.loading:
-                upto = min(upto, r.load_from)
-            self.coord.cache_blocks(r.rid, upto)
+            # Cache the full blocks of the scheduled positions whose tokens are
+            # known (not drafts, not the token still to be sampled), loaded
+            # ones included: vLLM caches at schedule time.
+            self._cache(r, r.computed)
         return e
 
-    def _admit_waiting(self, budget: int, entries: list[Entry]) -> int:
+    def _cache(self, r: Request, upto: int) -> None:
+        known = r.prompt_len + r.generated
+        self.coord.cache_blocks(r.rid, min(upto, known), self.coord.hashes(r.prompt_len))
+
+    def _admit_waiting(self, budget: int, entries: list[Entry], prefill: bool) -> int:
         """Admit waiting requests in order while budget and ``max_num_seqs``
         allow; the first whose blocks do not fit stops admission (no
-        preemption for a waiting request, as in vLLM)."""
-        cfg, B = self.cfg, self.B
+        preemption for a waiting request, as in vLLM).
+
+        A request admitted with one token left to compute (a prefix hit or a
+        load covering all but the last token) is padded to a full decode of
+        ``1 + spec_tokens`` positions when no prefill chunk is in the step,
+        as vLLM 0.33 pads new decodes for a uniform decode batch."""
+        cfg, B, K = self.cfg, self.B, self.cfg.spec_tokens
         waiting, running = self.waiting, self.running
+        decodes = bool(entries)  # running requests scheduled in this step
         i = 0
         while i < len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
             r = waiting[i]
@@ -320,15 +404,21 @@ class Scheduler:
                 continue
             known = r.prompt_len + r.generated
             if cfg.prefix_caching:
-                # Recompute at least the last known token; hashes cover
-                # full prompt blocks only.
-                max_len = min((known - 1) // B, r.prompt_len // B) * B
-                hits, hit = self.coord.find_longest_cache_hit(max_len)
+                # Recompute at least the last known token.
+                max_len = (known - 1) // B * B
+                hits, hit = self.coord.find_longest_cache_hit(
+                    max_len, self.coord.hashes(r.prompt_len))
             else:
                 hits, hit = self.no_hits, 0
             ext = 0 if r.offered else r.external
             computed, loaded = (ext, ext - hit) if ext > hit else (hit, 0)
-            n = min(known - computed, budget)
+            n, spec = known - computed, 0
+            if (K and n == 1 and not prefill and (decodes or computed)
+                    and computed + K + 2 <= cfg.max_model_len):
+                if budget < 1 + K:
+                    break
+                n, spec = 1 + K, K
+            n = min(n, budget)
             if self.coord.admission_cost(hits, computed, computed + n) > self.pool.num_free:
                 break
             self.coord.admit(r.rid, hits, computed, computed + n)
@@ -337,8 +427,7 @@ class Scheduler:
             r.status = "running"
             r.offered = True
             r.computed = computed
-            r.load_from = hit
-            entries.append(self._put_in_flight(r, n, 0, loaded))
+            entries.append(self._put_in_flight(r, n, spec, loaded))
             budget -= n
         return budget
 
@@ -348,20 +437,23 @@ class Scheduler:
                 return e
         return None
 
-    def _discard(self, r: Request) -> None:
-        """The outputs of the request's unprocessed steps no longer count."""
+    def _discard(self, r: Request, why: str = "dropped") -> None:
+        """The request's unprocessed steps no longer count in its counts; their
+        outputs are dropped, or, after a preemption, delivered as ``stale``."""
         for e in r.entries:
-            e.discarded = True
+            e.discarded = why
         r.stale += len(r.entries)
         r.entries.clear()
         r.in_flight = r.spec = r.loading = 0
 
     def _let_go(self, r: Request, groups: list[list[Held]], reason: str) -> None:
-        """A request-level free: now, or once the request's steps are processed."""
+        """A request-level free: now, or, while a step that scheduled the
+        request is in flight, once every step scheduled so far is processed
+        (vLLM's deferred-free fence: the latest scheduled step)."""
         if self.defer_request_frees and self._in_flight(r):
             held = [h for g in groups for h in g]
             if held:
-                self.deferred.append((r.last_step, r.rid, held, reason))
+                self.deferred.append((self.num_scheduled - 1, r.rid, held, reason))
             return
         for held in groups:  # per group, tail first (evicted first)
             self.coord.release(r.rid, held[::-1], reason)
@@ -380,12 +472,12 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """``r`` is already out of ``running``."""
         self._let_go(r, self.coord.pop_for_free(r.rid), "preempt")
-        self._discard(r)
+        self._discard(r, "stale")
         r.computed = 0
         r.status = "preempted"
         self.waiting.insert(0, r)
 
-    def _finish(self, r: Request, reason: str) -> None:
+    def _finish(self, r: Request, reason: str, window: bool = True) -> None:
         if r.status == "running":
             self.running.remove(r)
         elif r in self.waiting:
@@ -393,17 +485,44 @@ class Scheduler:
         r.status = "finished"
         self.just_finished.append(r)
         self.sink.append(FinishObs(r.rid, reason))
+        if self.defer_request_frees and window:
+            # With a KV connector, vLLM first frees the out-of-window blocks
+            # (on the policy's basis) before handing the table to the
+            # connector's request_finished hook: window frees, at once.
+            self.coord.remove_skipped_blocks(r.rid, self._bases(r))
         self._let_go(r, self.coord.pop_for_free(r.rid), "finish" if reason == "length" else reason)
         self._discard(r)
+
+    def _spread_failures(self, fails: dict[str, int], ending: dict[str, str]) -> dict[str, int]:
+        """A failed load spoils the loading request's blocks from the first
+        bad one on (the ones computed after it read them); a prefix-cache hit
+        may share them. Every running request holding one recomputes from its
+        first such slot, as vLLM reschedules every request holding an
+        invalid block."""
+        bad = {b for rid, k in fails.items()
+               for table in self.coord.tables(rid) for b in table[k:] if b != NULL}
+        out = dict(fails)
+        for r in self.running:
+            if r.rid in out or r.rid in ending:
+                continue
+            slots = [i for table in self.coord.tables(r.rid)
+                     for i, b in enumerate(table) if b in bad]
+            if slots:
+                out[r.rid] = min(slots)
+        return out
 
     def _fail_load(self, r: Request, first_bad: int) -> None:
         """Recompute from the first bad block, or from further back where the
         window of that position reaches slots the request does not hold
-        (NULL-padded at admission, or freed): SEMANTICS' "c = k*B at most"."""
+        (NULL-padded at admission, or freed): SEMANTICS' "c = k*B at most".
+        The dropped blocks from the first bad one on leave the prefix cache."""
         self._discard(r)
         B = self.B
         j = first_bad
         while j > 0 and not self.coord.window_present(r.rid, j * B):
             j -= 1
-        self._let_go(r, self.coord.truncate(r.rid, j), "failed_load")
+        dropped = self.coord.truncate(r.rid, j)
+        for g in dropped:
+            self.pool.uncache([b for _, i, b in g if i >= first_bad])
+        self._let_go(r, dropped, "failed_load")
         r.computed = min(r.computed, j * B)

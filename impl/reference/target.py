@@ -68,13 +68,14 @@ class ReferenceTarget:
         elif isinstance(event, AddRequest):
             s.add_request(event.id, event.prompt_len, event.max_new_tokens, event.external_tokens)
         elif isinstance(event, Preempt):
-            s.preempt(event.id)
+            if not s.hold("preempt", event.id):
+                s.preempt(event.id)
         elif isinstance(event, FailLoad):
             s.fail_load(event.id, event.first_bad_block)
-        elif isinstance(event, Finish):
-            s.finish(event.id, "finish")
         else:
-            s.finish(event.id, "abort")
+            why = "finish" if isinstance(event, Finish) else "abort"
+            if not s.hold(why, event.id):
+                s.finish(event.id, why)
         items = list(s.sink)
         s.sink.clear()
         return Observed(items, self._counters())
