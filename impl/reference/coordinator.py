@@ -17,7 +17,7 @@ from __future__ import annotations
 from model.events import Config
 from model.observations import AllocObs, FreeObs, Item
 
-from .block_pool import BlockPool, request_block_hashes
+from .block_pool import NULL, BlockPool, request_block_hashes
 from .managers import Change, SingleTypeManager, make_manager
 
 Held = tuple[int, int, int]  # (group, logical slot, physical block)
@@ -34,6 +34,11 @@ class Coordinator:
         ]
         self.num_hashes = config.max_model_len // self.B + 1
         self.live: dict[str, list[int]] = {}
+        # Admission reserves for the settled basis: every step in flight may
+        # hold a full token budget beyond the count a group frees on.
+        ahead = config.depth * config.max_num_batched_tokens
+        for m in self.managers:
+            m.set_admission_cap(ahead, config.max_model_len)
 
     # ------------------------------------------------------------ observing
 
@@ -66,6 +71,10 @@ class Coordinator:
 
     def tables(self, rid: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(m.tables.get(rid, ())) for m in self.managers)
+
+    def new_step_starts(self) -> None:
+        for m in self.managers:
+            m.new_step_starts()
 
     def remove_skipped_blocks(self, rid: str, bases: list[int]) -> None:
         """Free, per group, the slots wholly before the window of ``bases[g]``."""
@@ -103,6 +112,19 @@ class Coordinator:
         return self._unlink(rid, [[(m.gid, i, b) for i, b in m.truncate(rid, keep)]
                                   for m in self.managers])
 
+    def first_null_from(self, rid: str, slot: int) -> int | None:
+        """The first slot at or after ``slot`` that is NULL in some group's
+        table (None: none is)."""
+        found = [i for m in self.managers
+                 for i, b in enumerate(m.tables.get(rid, ())) if i >= slot and b == NULL]
+        return min(found) if found else None
+
+    def uncache_from(self, rid: str, slot: int) -> None:
+        """The request's blocks from ``slot`` on hold bad contents: out of the
+        prefix cache, to be cached again once recomputed."""
+        for m in self.managers:
+            m.uncache_from(rid, slot)
+
     def window_present(self, rid: str, n: int) -> bool:
         return all(m.window_present(rid, n) for m in self.managers)
 
@@ -124,8 +146,9 @@ class Coordinator:
             hit = lowest
         return [m.find_longest_cache_hit(hit, hashes)[0] for m in self.managers], hit
 
-    def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int) -> int:
-        return sum(m.admission_cost(h, computed, num_tokens)
+    def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int,
+                       capped: bool = False) -> int:
+        return sum(m.admission_cost(h, computed, num_tokens, capped)
                    for m, h in zip(self.managers, hits, strict=True))
 
     def admit(self, rid: str, hits: list[list[int]], computed: int, num_tokens: int) -> None:

@@ -41,6 +41,8 @@ class SingleTypeManager:
         self.B = block_size
         # slots held beyond the scheduled tokens (Mamba's speculative blocks)
         self.extra_tokens = 0
+        # the most blocks a request is asked to have free at admission (None: all)
+        self.admission_cap: int | None = None
         self.tables: dict[str, list[int]] = {}
         # leading slots already offered to the prefix cache (vLLM's num_cached_block)
         self.num_cached: dict[str, int] = {}
@@ -116,14 +118,21 @@ class SingleTypeManager:
         table.extend(new)
         return list(enumerate(new, first))
 
-    def admission_cost(self, hit: list[int], computed: int, num_tokens: int) -> int:
+    def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
+        """Kinds that recycle blocks cap the blocks admission asks for."""
+
+    def admission_cost(self, hit: list[int], computed: int, num_tokens: int,
+                       capped: bool = False) -> int:
         """Blocks a first-time allocation takes from the free queue: evictable
         hit blocks (free but cached) plus new blocks. ``computed`` = local hit
-        plus external tokens; the slots it skips are padded with NULL."""
+        plus external tokens; the slots it skips are padded with NULL. With
+        ``capped``, the blocks needed are at most the kind's admission cap."""
         pad = self.get_num_skipped_tokens(computed) // self.B
         ref = self.pool.ref
         evictable = sum(1 for b in hit[pad:] if b != NULL and ref[b] == 0)
         need = cdiv(num_tokens + self.extra_tokens, self.B)
+        if capped and self.admission_cap is not None:
+            need = min(need, self.admission_cap)
         return max(0, need - max(pad, len(hit))) + evictable
 
     def add_computed_blocks(self, rid: str, hit: list[int], computed: int) -> list[Change]:
@@ -139,9 +148,12 @@ class SingleTypeManager:
         self.num_cached[rid] = len(table)
         return list(enumerate(kept, pad))
 
+    def new_step_starts(self) -> None:
+        """A scheduler iteration begins."""
+
     def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
         """Offer the full blocks among the first ``num_tokens`` positions to the
-        prefix cache (``num_tokens`` is already capped to the prompt)."""
+        prefix cache (``num_tokens`` is already capped to the known tokens)."""
         n_full = num_tokens // self.B
         done = self.num_cached.get(rid, 0)
         if n_full <= done:
@@ -153,6 +165,12 @@ class SingleTypeManager:
             if b != NULL:
                 pool.cache_block(b, (gid, hashes[i]))
         self.num_cached[rid] = n_full
+
+    def uncache_from(self, rid: str, slot: int) -> None:
+        table = self.tables.get(rid, [])
+        self.pool.uncache([b for b in table[slot:] if b != NULL])
+        if self.num_cached.get(rid, 0) > slot:
+            self.num_cached[rid] = slot
 
     def window_present(self, rid: str, n: int) -> bool:
         """Whether every slot position ``n`` reads below slot ``n // B`` is held
@@ -210,6 +228,11 @@ class SlidingWindowManager(SingleTypeManager):
     def get_num_skipped_tokens(self, n: int) -> int:
         return max(0, n - self.window + 1)
 
+    def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
+        # the last W-1 settled tokens plus the tokens ahead of them, and one
+        # block for a window that does not start at a block edge
+        self.admission_cap = cdiv(min(self.window - 1 + tokens_ahead, max_model_len), self.B) + 1
+
     def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
         need = cdiv(self.window - 1, self.B)
         n = max_len // self.B
@@ -252,6 +275,10 @@ class ChunkedLocalManager(SingleTypeManager):
     def get_num_skipped_tokens(self, n: int) -> int:
         return (n // self.chunk) * self.chunk
 
+    def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
+        # one chunk plus the tokens ahead of the settled count
+        self.admission_cap = cdiv(min(self.chunk + tokens_ahead, max_model_len), self.B)
+
     def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
         start_block = ((max_len // self.chunk) * self.chunk) // self.B
         out = [NULL] * start_block
@@ -287,6 +314,26 @@ class MambaManager(SingleTypeManager):
                  spec_tokens: int = 0) -> None:
         super().__init__(group, gid, pool, block_size)
         self.extra_tokens = spec_tokens * block_size
+        # A state cached in this scheduler iteration is written by a step that
+        # has not run yet: a hit ending on it waits for a later iteration.
+        self.cached_this_step: set[tuple[int, int]] = set()
+
+    def new_step_starts(self) -> None:
+        self.cached_this_step.clear()
+
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
+        before = self.num_cached.get(rid, 0)
+        super().cache_blocks(rid, num_tokens, hashes)
+        table = self.tables.get(rid, ())
+        for i in range(before, min(self.num_cached.get(rid, 0), len(table))):
+            if table[i] != NULL:
+                self.cached_this_step.add((self.gid, hashes[i]))
+
+    def admission_cost(self, hit: list[int], computed: int, num_tokens: int,
+                       capped: bool = False) -> int:
+        if hit and self.pool.key[hit[-1]] in self.cached_this_step:
+            return self.pool.num_blocks + 1  # cannot be admitted in this iteration
+        return super().admission_cost(hit, computed, num_tokens, capped)
 
     def get_num_skipped_tokens(self, n: int) -> int:
         return max(0, n - 1)

@@ -56,7 +56,7 @@ class Request:
     __slots__ = (
         "rid", "prompt_len", "max_new", "external", "status", "computed", "in_flight",
         "loading", "spec", "generated", "offered", "entries", "stale",
-        "last_step", "prefill_chunk",
+        "last_step", "prefill_chunk", "drafts",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
@@ -75,6 +75,7 @@ class Request:
         self.stale = 0  # unprocessed entries whose output is discarded
         self.last_step = -1  # index of the last step that scheduled the request
         self.prefill_chunk = False  # its last step stopped short of the known tokens
+        self.drafts = 0  # drafts proposed for its next step (vLLM's spec_token_ids)
 
     def placeholders(self) -> int:
         """Tokens its unprocessed sampling steps will output at most (vLLM's
@@ -153,6 +154,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         entries: list[Entry] = []
         preempted = False
+        self.coord.new_step_starts()
         prefill = False  # a running request's prefill chunk is in this step
         running = self.running
         i = 0
@@ -200,7 +202,10 @@ class Scheduler:
         requests at their last token finished, failed loads rolled back."""
         held, self.held = self.held, []
         # Depth 1: requests ended while this step ran (their output is dropped).
-        ending = {rid: why for why, rid in held if why != "preempt"}
+        ending: dict[str, str] = {}
+        for why, rid in held:
+            if why != "preempt":
+                ending.setdefault(rid, why)  # the first end counts
         step = self.steps.popleft()
         self.num_processed += 1
         acc: list[tuple[str, int]] = []
@@ -279,6 +284,14 @@ class Scheduler:
             r = self.requests[rid]
             if why == "preempt" and r.status == "running":
                 self.preempt(rid)
+        if self.cfg.depth == 1 and self.cfg.spec_tokens:
+            # Synchronous scheduling: the drafter proposes on the step's
+            # output (a discarded one included) for the requests still running
+            # that finished a prefill.
+            for e in step.entries:
+                r = self.requests[e.rid]
+                if r.status == "running":
+                    r.drafts = 0 if r.prefill_chunk else self.cfg.spec_tokens
         if self.deferred:
             self._drain_deferred()
 
@@ -334,21 +347,22 @@ class Scheduler:
         return [basis(policy, g, counts) for g in self.groups]
 
     def _num_new_tokens(self, r: Request, budget: int) -> tuple[int, int]:
-        """Tokens (and drafts among them) to schedule for a running request.
+        """Tokens (and drafts among them) to schedule for a running request:
+        what it takes to catch up with its known tokens, its drafts and the
+        outputs still in flight (vLLM's ``num_tokens_with_spec +
+        num_output_placeholders - num_computed_tokens``)::
 
-        Prefill (or recompute) chunk while the prompt, or the known tokens of
-        a recomputing request, are not all computed::
+            prefill / recompute   [ 0 ...... c ........ known )       n = known - c
+            decode                [ ... known-1+ph = c | drafts )    n = 1 + drafts
 
-            [ 0 ............ c ............ known )      n = min(known - c, budget)
-
-        otherwise a decode: the last sampled token (or the placeholder of a
-        token still in flight) plus ``spec_tokens`` drafts, capped only by
-        ``max_model_len - 1`` (vLLM's cap on the bonus position): near the end
-        of a request the drafts may reach past ``prompt_len +
-        max_new_tokens``, as in vLLM (the tokens past the end are dropped when
-        the output arrives). A request is skipped when the steps in flight
-        produce its last token even if all their drafts are rejected (vLLM's
-        ``num_computed_tokens + 2 - num_output_placeholders`` test)."""
+        capped by the budget and by ``max_model_len - 1`` (vLLM's cap on the
+        bonus position) only: near the end of a request the drafts may reach
+        past ``prompt_len + max_new_tokens``, as in vLLM (the tokens past the
+        end are dropped when the output arrives). The drafts are the
+        positions past the known tokens and the outputs in flight. A request
+        is skipped when the steps in flight produce its last token even if
+        all their drafts are rejected (vLLM's ``num_computed_tokens + 2 -
+        num_output_placeholders`` test)."""
         if r.stale:
             return 0, 0
         p, c = r.prompt_len, r.computed
@@ -356,17 +370,19 @@ class Scheduler:
         if ph and c + 2 - ph >= p + r.max_new:
             return 0, 0
         known = p + r.generated
-        if c < p or c < known - 1:
-            return min(known - c, budget), 0
-        n = min(1 + self.cfg.spec_tokens, budget, self.cfg.max_model_len - 1 - c)
+        n = min(known + r.drafts + ph - c, budget, self.cfg.max_model_len - 1 - c)
         if n <= 0:
             return 0, 0
-        return n, n - 1
+        return n, max(0, min(r.drafts, c + n - known - ph))
 
     def _put_in_flight(self, r: Request, n: int, spec: int, loaded: int) -> Entry:
         e = Entry(r.rid, r.computed, r.computed + n, spec, loaded, self.coord.tables(r.rid))
         e.samples = r.computed + n >= r.prompt_len + r.generated + r.placeholders()
         r.prefill_chunk = not e.samples
+        # The drafts are used up. Under async scheduling the next decode gets
+        # placeholders for the drafts this step's output will propose; a
+        # synchronous one gets them when the output is processed.
+        r.drafts = self.cfg.spec_tokens if e.samples and self.cfg.depth > 1 else 0
         r.computed += n
         r.in_flight += n
         r.spec += spec
@@ -419,7 +435,12 @@ class Scheduler:
                     break
                 n, spec = 1 + K, K
             n = min(n, budget)
-            if self.coord.admission_cost(hits, computed, computed + n) > self.pool.num_free:
+            # The whole known sequence must fit (within each kind's cap), not
+            # only this chunk: vLLM's full_sequence_must_fit admission gate.
+            full = min(known, cfg.max_model_len)
+            free = self.pool.num_free
+            if (self.coord.admission_cost(hits, computed, full, capped=True) > free
+                    or self.coord.admission_cost(hits, computed, computed + n) > free):
                 break
             self.coord.admit(r.rid, hits, computed, computed + n)
             del waiting[i]
@@ -474,6 +495,7 @@ class Scheduler:
         self._let_go(r, self.coord.pop_for_free(r.rid), "preempt")
         self._discard(r, "stale")
         r.computed = 0
+        r.drafts = 0
         r.status = "preempted"
         self.waiting.insert(0, r)
 
@@ -512,17 +534,22 @@ class Scheduler:
         return out
 
     def _fail_load(self, r: Request, first_bad: int) -> None:
-        """Recompute from the first bad block, or from further back where the
-        window of that position reaches slots the request does not hold
-        (NULL-padded at admission, or freed): SEMANTICS' "c = k*B at most".
-        The dropped blocks from the first bad one on leave the prefix cache."""
+        """Recompute from the first bad block, into the blocks the request
+        holds (as vLLM does). Where the window of that position reaches slots
+        the request does not hold (NULL-padded at admission, or freed), go
+        back to the nearest position whose window it holds, and drop the slots
+        from the first NULL slot on (reason ``failed_load``): SEMANTICS' "c =
+        k*B at most" (vLLM recomputes from the bad block and reads NULL
+        there). The bad blocks leave the prefix cache."""
         self._discard(r)
         B = self.B
         j = first_bad
         while j > 0 and not self.coord.window_present(r.rid, j * B):
             j -= 1
-        dropped = self.coord.truncate(r.rid, j)
-        for g in dropped:
-            self.pool.uncache([b for _, i, b in g if i >= first_bad])
-        self._let_go(r, dropped, "failed_load")
+        self.coord.uncache_from(r.rid, first_bad)
+        # The recompute writes its slots from j on: from the first of them
+        # that is NULL (padded or freed), they are dropped and allocated anew.
+        keep = self.coord.first_null_from(r.rid, j)
+        if keep is not None:
+            self._let_go(r, self.coord.truncate(r.rid, keep), "failed_load")
         r.computed = min(r.computed, j * B)
