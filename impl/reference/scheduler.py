@@ -56,7 +56,7 @@ class Request:
     __slots__ = (
         "rid", "prompt_len", "max_new", "external", "status", "computed", "in_flight",
         "loading", "spec", "generated", "offered", "entries", "stale",
-        "last_step", "prefill_chunk", "drafts",
+        "last_step", "prefill_chunk", "drafts", "next_decode",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
@@ -76,6 +76,7 @@ class Request:
         self.last_step = -1  # index of the last step that scheduled the request
         self.prefill_chunk = False  # its last step stopped short of the known tokens
         self.drafts = 0  # drafts proposed for its next step (vLLM's spec_token_ids)
+        self.next_decode = 0  # the first scheduler iteration it may be scheduled in again
 
     def placeholders(self) -> int:
         """Tokens its unprocessed sampling steps will output at most (vLLM's
@@ -126,6 +127,7 @@ class Scheduler:
         self.steps: deque[Step] = deque()  # unprocessed, oldest first
         self.num_scheduled = 0
         self.num_processed = 0
+        self.iteration = 0  # schedule() calls, those that scheduled nothing included
         self.deferred: list[tuple[int, str, list[Held], str]] = []  # (fence step, rid, blocks, why)
         self.just_finished: list[Request] = []  # for the counters snapshot
         self.held: list[tuple[str, str]] = []  # depth 1: (finish | abort | preempt, rid)
@@ -154,6 +156,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         entries: list[Entry] = []
         preempted = False
+        self.iteration += 1
         self.coord.new_step_starts()
         prefill = False  # a running request's prefill chunk is in this step
         running = self.running
@@ -363,7 +366,7 @@ class Scheduler:
         is skipped when the steps in flight produce its last token even if
         all their drafts are rejected (vLLM's ``num_computed_tokens + 2 -
         num_output_placeholders`` test)."""
-        if r.stale:
+        if r.stale or self.iteration < r.next_decode:
             return 0, 0
         p, c = r.prompt_len, r.computed
         ph = r.placeholders()
@@ -383,6 +386,11 @@ class Scheduler:
         # placeholders for the drafts this step's output will propose; a
         # synchronous one gets them when the output is processed.
         r.drafts = self.cfg.spec_tokens if e.samples and self.cfg.depth > 1 else 0
+        if e.samples:
+            # Pipeline parallelism (depth d > 2): a request decodes at most
+            # every d - 1 iterations, as vLLM's async scheduler staggers them
+            # to the pipeline's sampled-token ring.
+            r.next_decode = self.iteration + max(1, self.cfg.depth - 1)
         r.computed += n
         r.in_flight += n
         r.spec += spec
