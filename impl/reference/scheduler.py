@@ -26,17 +26,31 @@ A timeline at depth 2, sliding(W=16), B=16, budget 64, one 100-token prompt::
     Process    step 1 done                 f = 0, first token sampled
 
 Steps run on the device in schedule order, so "processed" is a prefix of the
-scheduled steps. A step's output for a request is *discarded* when the
-request was preempted, finished or failed a load after the step was
-scheduled; its tokens stop counting in ``f`` at that moment, and the
-request is not scheduled again until those steps are processed (vLLM 0.33
-holds a preempted request back while its stale output is in flight).
+scheduled steps. A step's share stops counting in ``f`` when its request is
+preempted, ends or fails a load after the step was scheduled. The output of
+an ended or failed request is dropped; a preempted request's output still
+arrives and its tokens count (vLLM 0.33 delivers such "stale" output without
+touching the counts), and the request is not scheduled again until those
+steps are processed (vLLM 0.33 holds it back meanwhile).
+
+What a step schedules for a running request is what vLLM's scheduler
+computes: the known tokens plus its drafts plus the outputs still in flight,
+minus the computed ones (see ``_num_new_tokens``). A waiting request is
+admitted only if its whole known sequence fits (each window kind capped as
+vLLM caps it), and a new one-token decode is padded to ``1 + spec_tokens``
+when no prefill shares the step (vLLM 0.33's uniform decode batch).
+
+Synchronous scheduling (depth 1) runs one step at a time: a Finish, Abort or
+Preempt that arrives while it runs is held until its output (vLLM's engine
+never ends or preempts a request mid-step; see ``hold``).
 
 Request-level frees (finish, abort, preempt, failed load) under
 ``hazard = unordered`` (a KV-consumer connector may write a block as soon as
-it is in the pool) are deferred until the request's last scheduled step is
-processed: vLLM's deferred-free queue (``defer_block_free``), whose fence is
-the coarser "latest step scheduled when the free happened".
+it is in the pool) are deferred, while a step that scheduled the request is
+in flight, until every step scheduled by then is processed: vLLM's
+deferred-free queue (``defer_block_free``) and its fence. With a connector, a
+request that ends first frees its out-of-window blocks on the policy's basis
+(vLLM's finish path hands the connector the trimmed table).
 """
 
 from __future__ import annotations

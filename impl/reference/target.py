@@ -30,10 +30,12 @@ class ReferenceTarget:
     capabilities = Capabilities(
         notes=(
             "every registered policy, by name, as the freeing basis of every group",
-            "hazard=unordered defers request-level frees until the request's "
-            "last scheduled step is processed",
-            "a failed load recomputes from the first bad block, or from further back "
-            "where that position's window reaches slots the request does not hold",
+            "hazard=unordered defers request-level frees, while the request has a "
+            "step in flight, until every step scheduled by then is processed",
+            "depth 1: Finish, Abort and Preempt arriving while the step runs are "
+            "held until its output is processed",
+            "a failed load recomputes from the first bad block into the blocks held, "
+            "or from further back where that position's window reaches NULL slots",
         ),
     )
 
