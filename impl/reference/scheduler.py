@@ -181,7 +181,6 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            prefill |= r.prefill_chunk
             # Free what the window no longer needs before allocating, even if
             # the allocation then fails (vLLM's allocate_slots).
             self.coord.remove_skipped_blocks(r.rid, self._bases(r))
@@ -201,6 +200,7 @@ class Scheduler:
             if not fits:
                 break
             self.coord.allocate_new_blocks(r.rid, end)
+            prefill |= r.prefill_chunk  # as its previous step left it
             entries.append(self._put_in_flight(r, n, spec, 0))
             budget -= n
             i += 1
