@@ -492,11 +492,17 @@ class Scheduler:
     def _let_go(self, r: Request, groups: list[list[Held]], reason: str) -> None:
         """A request-level free: now, or, while a step that scheduled the
         request is in flight, once every step scheduled so far is processed
-        (vLLM's deferred-free fence: the latest scheduled step)."""
+        (vLLM's deferred-free fence: the latest scheduled step).
+
+        The slots a failed load drops (vLLM drops none) wait for the
+        request's own last step only: the request stays running and is not
+        scheduled again before that step is processed, so they are back
+        before it takes new blocks at the same slots."""
         if self.defer_request_frees and self._in_flight(r):
             held = [h for g in groups for h in g]
             if held:
-                self.deferred.append((self.num_scheduled - 1, r.rid, held, reason))
+                fence = r.last_step if reason == "failed_load" else self.num_scheduled - 1
+                self.deferred.append((fence, r.rid, held, reason))
             return
         for held in groups:  # per group, tail first (evicted first)
             self.coord.release(r.rid, held[::-1], reason)
