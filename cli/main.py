@@ -173,13 +173,30 @@ def cmd_fuzz(a) -> int:
         from properties.progress import Progress
 
         progress = Progress(f"fuzz {a.target} {a.kind}/{spec.policy}")
+    confirm = _AttentionSampler(a.attention_every, a.target) if a.attention_every else None
+
+    def on_example(phase, machine):
+        if progress is not None:
+            progress(phase, machine)
+        if confirm is not None and phase == "teardown":
+            confirm(machine)
+
     try:
         res = fuzz(spec, examples=a.examples, seed=a.seed, database=db, target=target,
-                   on_example=progress)
+                   on_example=on_example if (progress or confirm) else None)
     finally:
         if progress is not None:
             progress.close()
     print(_summary(res))
+    if confirm is not None:
+        print(f"attention: {confirm.checked} examples replayed numerically, "
+              f"{len(confirm.missed)} where attention saw a bad read the checker did not")
+        if confirm.missed and res.violation is None and not res.crash:
+            trace, rep = confirm.missed[0]
+            path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
+            print(rep.first_bad)
+            print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
+            return EXIT_VIOLATION
     if res.crash:
         path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
         print("verdict: TARGET FAILED")
@@ -205,6 +222,29 @@ def cmd_fuzz(a) -> int:
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
+
+
+class _AttentionSampler:
+    """Every Nth finished example, replay its events through real attention; keep
+    those where attention reads NaN or garbage while the checker saw nothing."""
+
+    def __init__(self, every: int, target: str):
+        self.every, self.target = every, target
+        self.seen = self.checked = 0
+        self.missed: list = []
+
+    def __call__(self, machine) -> None:
+        from model.events import Trace
+        from properties.attention import replay_attention
+
+        self.seen += 1
+        if self.seen % self.every or machine.cfg is None or not machine.events:
+            return
+        trace = Trace(machine.cfg, list(machine.events))
+        rep = replay_attention(trace, target_spec=self.target)
+        self.checked += 1
+        if not rep.ok and not rep.violations:
+            self.missed.append((trace, rep))
 
 
 def _parse_props(text: str) -> frozenset[int]:

@@ -13,7 +13,7 @@ a trace.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, Phase, reject, settings
@@ -83,7 +83,6 @@ class RunStats:
     events: Counter = field(default_factory=Counter)
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
-    configs: Counter = field(default_factory=Counter)
     refused: Counter = field(default_factory=Counter)  # what the target could not take
 
 
@@ -147,7 +146,7 @@ class KVMachine(RuleBasedStateMachine):
                 cls.stats.refused[type(ev).__name__] += 1
                 reject()
         self.events.append(ev)
-        cls.last = {"config": self.cfg, "events": list(self.events)}
+        cls.last = {"config": self.cfg, "events": self.events}  # this example's list, not a copy
         try:
             obs = cls.target.apply(ev)
         except TargetCrash:
@@ -350,7 +349,3 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         if result.violation is None and "violation" in last:
             result.violation = last["violation"]
     return result
-
-
-def with_policy(cfg: Config, policy: str) -> Config:
-    return replace(cfg, policy=policy)

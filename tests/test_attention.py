@@ -498,7 +498,7 @@ def _vllm_target(version: str):
     try:
         return make_target(f"vllm@{version}")
     except TargetError as e:
-        pytest.skip(f"vLLM {version} is not installed here ({e})")
+        pytest.fail(f"vLLM {version} is not installed here ({e})")
 
 
 @pytest.mark.vllm

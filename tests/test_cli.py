@@ -88,3 +88,13 @@ def test_replay_same_events_settled_holds(tmp_path):
     code, out, _ = run("replay", str(good_trace(tmp_path, policy="settled")))
     assert code == 0, out
     assert "all properties hold" in out
+
+
+def test_fuzz_confirms_every_nth_example_with_attention():
+    code, out, err = run("fuzz", "--kind", "sliding", "--depth", "2", "--examples", "300",
+                         "--seed", "3",
+                         "--attention-every", "10", "--quiet")
+    assert code == 0, out + err
+    line = next(x for x in out.splitlines() if x.startswith("attention:"))
+    assert int(line.split()[1]) >= 5
+    assert ", 0 where attention saw a bad read" in line

@@ -18,7 +18,6 @@ def test_optimistic_freed_while_read_found_short(kind):
     assert len(res.trace.events) <= 6, res.trace.events
     again = replay(res.trace, "reference")
     assert again.first is not None and again.first.prop == 1
-    assert again.first.message == res.violation.message or again.first.prop == 1
 
 
 @pytest.mark.parametrize("policy", ["optimistic", "mamba-local"])

@@ -28,12 +28,9 @@ from model.z3model import exact_bound, policy_rule
 
 
 def _reference():
-    try:
-        from impl.target import make_target
+    from impl.target import make_target
 
-        return make_target("reference")
-    except ImportError as e:  # the reference target is built in parallel
-        pytest.skip(f"reference target not available: {e}")
+    return make_target("reference")
 
 
 def _freed_while_read(trace: Trace) -> list[tuple[int, FreeObs, int]]:
@@ -144,10 +141,8 @@ def test_refutation_replays_on_the_reference(refutations, case):
 
 
 def test_refutation_replays_under_the_checker(refutations):
-    pytest.importorskip("properties.replay")
     from properties.replay import replay
 
-    _reference()
     for (kind, policy), r in refutations.items():
         res = replay(r.trace, "reference", stop_at_first=False)
         props = {v.prop for v in res.violations}

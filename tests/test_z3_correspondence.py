@@ -169,7 +169,7 @@ print(json.dumps(out))
 def test_skipped_matches_vllm_get_num_skipped_tokens(version):
     tree = ROOT / ".vllm" / version
     if not (tree / "vllm").is_dir():
-        pytest.skip(f"no vLLM {version} tree at {tree}")
+        pytest.fail(f"no vLLM {version} tree at {tree}: run make vllm VLLM={version}")
     rng = random.Random(7)
     cases = []
     for _ in range(SAMPLES):
@@ -180,7 +180,7 @@ def test_skipped_matches_vllm_get_num_skipped_tokens(version):
     proc = subprocess.run([sys.executable, "-c", _VLLM_SNIPPET], input=json.dumps(cases),
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode:
-        pytest.skip(f"vLLM {version} not importable: {proc.stderr.strip().splitlines()[-1:]}")
+        pytest.fail(f"vLLM {version} not importable: {proc.stderr.strip().splitlines()[-1:]}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for (kind, param, n), v in zip(cases, got, strict=True):
         # vLLM's Mamba manager returns n - 1 (= -1 at n = 0): "nothing to skip"
