@@ -12,10 +12,10 @@ TEST_VLLM := 0.25.1 0.33.0
 EXAMPLES ?= 1000
 NIGHTLY_MINUTES ?= 30
 
-.PHONY: venv vllm vllms check test prove attention fuzz lint bench nightly gpu-check clean help
+.PHONY: venv vllm vllms check test prove attention fuzz lint bench nightly mutants gpu-check clean help
 
 help:
-	@echo "make check | test | prove | attention | lint | bench | nightly | gpu-check | vllm VLLM=X"
+	@echo "make check | test | prove | attention | lint | bench | nightly | mutants | gpu-check | vllm VLLM=X"
 
 $(VENV)/.stamp: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench: venv vllms
 
 nightly: venv vllms
 	NIGHTLY_MINUTES=$(NIGHTLY_MINUTES) $(PY) scripts/nightly.py
+
+mutants: venv
+	bash scripts/install-vllm.sh 0.33.0
+	$(PY) scripts/mutants.py
 
 gpu-check: venv
 	$(PY) scripts/gpu_check.py
