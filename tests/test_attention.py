@@ -34,6 +34,7 @@ from properties.attention_kernels import (
     load_vllm_kernel,
     pick_device,
 )
+from tests.vllm_targets import vllm_target
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "traces" / "attention"
@@ -492,22 +493,13 @@ def test_gpu_check_without_gpu_says_so_and_exits_3(tmp_path, capsys):
 # ------------------------------------------------------------- real vLLM managers
 
 
-def _vllm_target(version: str):
-    from impl.target import TargetError, make_target
-
-    try:
-        return make_target(f"vllm@{version}")
-    except TargetError as e:
-        pytest.fail(f"vLLM {version} is not installed here ({e})")
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("version,garbled", [("0.25.1", True), ("0.33.0", False)])
 def test_real_vllm_manager_garbles_before_the_fix_and_not_after(version, garbled):
     """The sliding-window counterexample driven through vLLM's own scheduler and
     KV-cache manager: 0.25.1 (optimistic) frees blocks step 0 still reads, the
     unordered writer garbles them; 0.33.0 (the fix) stays exact."""
-    target = _vllm_target(version)
+    target = vllm_target(version)
     rep = replay_attention(_fixed("swa-unordered-optimistic"), target, device="cpu")
     if garbled:
         assert not rep.ok and rep.first_bad.kind == "garbled" and rep.first_bad.step == 0

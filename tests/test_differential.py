@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 
 from impl.reference import ReferenceTarget
-from impl.target import TargetError, make_target
+from impl.target import make_target
 from model.events import (
     AddRequest,
     FailLoad,
@@ -34,6 +34,7 @@ from model.events import (
     config_for,
 )
 from properties.differential import diff, random_trace
+from tests.vllm_targets import vllm_target
 
 pytestmark = pytest.mark.vllm
 
@@ -43,18 +44,8 @@ TRACES_PER_KIND = 5
 LENGTH = 40
 MAX_CHECKS = 20_000  # can_apply calls while building one trace (a stuck generator)
 
-_vllm: dict[str, object] = {}
-
-
 def vllm():
-    """One target for the module (its worker imports vLLM once, ~10 s)."""
-    if VERSION not in _vllm:
-        try:
-            _vllm[VERSION] = make_target(f"vllm@{VERSION}")
-        except TargetError as e:
-            pytest.fail(f"{e}\n(the reference is cross-checked against the real release: "
-                        f"run scripts/install-vllm.sh {VERSION})")
-    return _vllm[VERSION]
+    return vllm_target(VERSION)
 
 
 def random_config(kind: str, rng: random.Random):

@@ -14,6 +14,7 @@ import pytest
 from model.events import AddRequest, Schedule, Trace, sliding
 from properties.replay import format_timeline, replay
 from properties.report import build_grid, render_png, write_report, write_reproducer
+from tests.vllm_targets import vllm_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,17 +136,8 @@ def test_reproducer_names_a_missing_repo(tmp_path):
 
 @pytest.mark.vllm
 def test_reproducer_fails_on_vllm_0_25_1_passes_on_0_33_0(tmp_path):
-    from impl.target import make_target
-
     for v in ("0.25.1", "0.33.0"):
-        try:
-            t = make_target(f"vllm@{v}")
-        except Exception as e:  # noqa: BLE001 - say which and why, never skip
-            pytest.fail(f"vLLM {v} is not usable here ({type(e).__name__}: {e}); "
-                        f"install the releases with `make vllms`")
-        close = getattr(t, "close", None)
-        if callable(close):
-            close()
+        vllm_target(v)
     rr = replay(known(), "reference")
     rep = write_report(rr, tmp_path, "seed-bug", "vllm@0.25.1")
     assert rep.reproducer is not None and rep.png is not None, rep.errors

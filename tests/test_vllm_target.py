@@ -26,23 +26,13 @@ from model.events import (
 )
 from model.observations import NULL, FinishObs, FreeObs, Observed, ProcessObs, StepObs
 from model.windows import read_blocks
+from tests.vllm_targets import vllm_target
 
 pytestmark = pytest.mark.vllm
 
 BUGGY, FIXED = "0.25.1", "0.33.0"
-_targets: dict[str, object] = {}
-
-
 def target(version: str):
-    """One target per release for the whole module (the worker imports vLLM
-    once, ~10-20 s); fails, not skips, when the release is not installed."""
-    if version not in _targets:
-        try:
-            _targets[version] = make_target(f"vllm@{version}")
-        except TargetError as e:
-            pytest.fail(f"{e}\n(the vLLM targets are tested on the real releases: "
-                        f"run scripts/install-vllm.sh {version})")
-    return _targets[version]
+    return vllm_target(version)
 
 
 def run(version: str, cfg, events) -> list[Observed]:
