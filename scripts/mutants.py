@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Mutation testing of the checker against the real vLLM (``make mutants``).
+"""Mutation testing of the checker (``make mutants``).
 
-Each mutant is one small edit to vLLM 0.33.0's own freeing or accounting code,
+Each mutant is one small edit to the freeing or accounting code of a target,
 the kind of slip a pull request could make: an off-by-one in a window, a
-counter not reset, a fence one step early, a reference count not taken. For
-each, a copy of the installed release with that one edit is fuzzed as a
-source checkout (``--target vllm@PATH``) and the mutant must be *killed*: a
-property names the step and the block. None of these edits is a bug the
-checker was written against; they test the invariants, not known symptoms.
-The unmodified copy is fuzzed the same way and must pass (the control row).
+counter not reset, a fence one step early, a reference count not taken.
+``vllm`` mutants edit vLLM 0.33.0's own code: a copy of the installed release
+with that one edit is fuzzed as a source checkout (``--target vllm@PATH``).
+``reference`` mutants edit our reference manager (impl/reference), fuzzed from
+a copy of this repository. Each mutant must be *killed*: a property names the
+step and the block. None of these edits is a bug the checker was written
+against; they test the invariants, not known symptoms. The unmodified trees
+are fuzzed the same way and must pass (the control rows), and so must a
+harmless edit.
 
     .venv/bin/python scripts/mutants.py [--only NAME,...] [--examples N] [--list]
 
@@ -41,8 +44,8 @@ CORE = "v1/core/"
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # relative to the vllm/ package
-    old: str  # must occur exactly once in the file
+    file: str  # relative to the vllm/ package (subject vllm) or this repository
+    old: str  # must occur exactly once in the file ("" with file "": a control)
     new: str
     why: str  # the slip, in one line
     args: tuple[str, ...]  # fuzz options that reach the edited path
@@ -51,12 +54,17 @@ class Mutant:
     # (kvcheck reports exit 3 with the trace); vacuous: the witnesses show the code never
     # reaches a free at all; survives: a harmless edit the checker must stay silent on
     outcome: str = "killed"
+    subject: str = "vllm"  # vllm | reference
 
 
 _ASYNC = ("--depth", "2")
 _CONSUMER = ("--hazard", "unordered", "--depth", "2")
 
+REF = "impl/reference/"
+
 MUTANTS: tuple[Mutant, ...] = (
+    Mutant("control", "", "", "", "the unmodified release",
+           ("--kind", "sliding", *_ASYNC), frozenset(), "survives"),
     Mutant(
         "optimistic-basis", CORE + "kv_cache_manager.py",
         "max(0, total_computed_tokens - request.num_in_flight_tokens),",
@@ -193,9 +201,61 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:",
         "out-of-window blocks are never freed (a request holds its whole history)",
         ("--kind", "sliding", *_ASYNC), frozenset(), "vacuous"),
+    Mutant("control-reference", "", "", "", "the unmodified reference manager",
+           ("--spec-tokens", "2", "--hazard", "unordered", *_ASYNC), frozenset(), "survives",
+           "reference"),
+    Mutant(
+        "ref-swa-window-one-short", REF + "managers.py",
+        "        return max(0, n - self.window + 1)\n",
+        "        return max(0, n - self.window + 2)\n",
+        "the reference's sliding window skips one token too many",
+        ("--kind", "sliding", "--depth", "1"), frozenset({1, 2}), subject="reference"),
+    Mutant(
+        "ref-chunk-boundary-early", REF + "managers.py",
+        "        return (n // self.chunk) * self.chunk\n",
+        "        return ((n + 1) // self.chunk) * self.chunk\n",
+        "the reference frees a chunk one token before it ends",
+        ("--kind", "chunked_local", "--depth", "1"), frozenset({1, 2}), subject="reference"),
+    Mutant(
+        "ref-mamba-frees-last-state", REF + "managers.py",
+        "        return max(0, n - 1)\n",
+        "        return max(0, n)\n",
+        "the reference's Mamba manager drops the last computed token's state",
+        ("--kind", "mamba", *_ASYNC), frozenset({1, 2}), subject="reference"),
+    Mutant(
+        "ref-skipped-blocks-round-up", REF + "managers.py",
+        "        n_skip = self.get_num_skipped_tokens(basis) // self.B\n",
+        "        n_skip = -(-self.get_num_skipped_tokens(basis) // self.B)\n",
+        "the reference rounds skipped tokens up to whole blocks",
+        ("--kind", "sliding", "--depth", "1"), frozenset({1, 2}), subject="reference"),
+    Mutant(
+        "ref-drain-forgets-drafts", REF + "scheduler.py",
+        "            r.in_flight -= e.end - e.start\n",
+        "            r.in_flight -= e.end - e.start - e.spec\n",
+        "processing a step drains its tokens but not its drafts from the in-flight count",
+        ("--kind", "sliding", "--spec-tokens", "2", *_ASYNC), frozenset({4}),
+        subject="reference"),
+    Mutant(
+        "ref-fence-one-step-early", REF + "scheduler.py",
+        "            if fence <= done:\n",
+        "            if fence <= done + 1:\n",
+        "the reference's deferred frees pass their fence one step early",
+        ("--kind", "full", *_CONSUMER), frozenset({1}), subject="reference"),
+    Mutant(
+        "ref-in-flight-test-off-by-one", REF + "scheduler.py",
+        "        return r.last_step >= self.num_processed\n",
+        "        return r.last_step > self.num_processed\n",
+        "a request whose last step is the oldest in flight counts as idle",
+        ("--kind", "full", *_CONSUMER), frozenset({1}), subject="reference"),
+    Mutant(
+        "ref-cached-blocks-leak", REF + "block_pool.py",
+        "            ref[b] -= 1\n",
+        "            ref[b] -= 1 if key[b] is None else 0\n",
+        "the reference pool keeps a reference on freed prefix-cached blocks",
+        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({3}),
+        subject="reference"),
 )
 
-CONTROL_ARGS = ("--kind", "sliding", *_ASYNC)
 _VERDICT = re.compile(r"verdict: VIOLATION of property (\d) \(([^)]*)\) after shrinking to (\d+)")
 
 
@@ -227,40 +287,59 @@ class AnchorError(Exception):
     pass
 
 
-def mutant_tree(m: Mutant | None, dest: Path, source: Path = INSTALLED) -> Path:
-    """A vLLM tree at ``dest/vllm``: symlinks to the installed release's files,
-    except the one file the mutant edits, which is a real, edited copy."""
-    if not (source / "__init__.py").is_file():
-        raise AnchorError(f"vLLM {RELEASE} is not installed at {source}: "
-                          f"run make vllm VLLM={RELEASE}")
-    pkg = dest / "vllm"
-    shutil.copytree(source, pkg, copy_function=os.symlink,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    if m is not None:
-        text = (source / m.file).read_text()
-        n = text.count(m.old)
-        if n != 1:
-            raise AnchorError(f"mutant {m.name}: its anchor occurs {n} times in {m.file} "
-                              f"of vLLM {RELEASE} (expected once); update scripts/mutants.py")
-        (pkg / m.file).unlink()
-        (pkg / m.file).write_text(text.replace(m.old, m.new))
+_REPO_PARTS = ("model", "properties", "impl", "cli", "kvcheck")
+
+
+def _edit(m: Mutant, source: Path, dest: Path) -> None:
+    text = (source / m.file).read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise AnchorError(f"mutant {m.name}: its anchor occurs {n} times in {m.file} "
+                          f"(expected once); update scripts/mutants.py")
+    (dest / m.file).unlink()
+    (dest / m.file).write_text(text.replace(m.old, m.new))
+
+
+def mutant_tree(m: Mutant, dest: Path) -> Path:
+    """The tree a mutant runs from, at ``dest``: symlinks to the original files
+    except the one the mutant edits, which is a real, edited copy. Subject
+    ``vllm``: ``dest/vllm`` is the installed release (``--target vllm@dest``);
+    ``reference``: ``dest`` holds this repository's code (run ``dest/kvcheck``)."""
+    skip = shutil.ignore_patterns("__pycache__", "*.so")
+    if m.subject == "vllm":
+        if not (INSTALLED / "__init__.py").is_file():
+            raise AnchorError(f"vLLM {RELEASE} is not installed at {INSTALLED}: "
+                              f"run make vllm VLLM={RELEASE}")
+        shutil.copytree(INSTALLED, dest / "vllm", copy_function=os.symlink, ignore=skip)
+        if m.file:
+            _edit(m, INSTALLED, dest / "vllm")
+    else:
+        dest.mkdir(parents=True)
+        for part in _REPO_PARTS:
+            if (ROOT / part).is_dir():
+                shutil.copytree(ROOT / part, dest / part, copy_function=os.symlink, ignore=skip)
+            else:
+                os.symlink(ROOT / part, dest / part)
+        if m.file:
+            _edit(m, ROOT, dest)
     return dest
 
 
-def run_one(m: Mutant | None, examples: int, seed: int, out: Path, work: Path) -> Row:
-    """Fuzz one mutant (``None``: the unmodified release) and classify the result."""
-    name = m.name if m else "control"
-    row = Row(name, m.why if m else "the unmodified release",
-              list(m.args if m else CONTROL_ARGS), m.outcome if m else "survives",
-              sorted(m.expect) if m else [])
-    tree = mutant_tree(m, work / name)
-    dest = out / name
+def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
+    """Fuzz one mutant (or control) and classify the result."""
+    row = Row(m.name, m.why, list(m.args), m.outcome, sorted(m.expect))
+    tree = mutant_tree(m, work / m.name)
+    dest = out / m.name
     shutil.rmtree(dest, ignore_errors=True)
-    cmd = [sys.executable, str(ROOT / "kvcheck"), "fuzz", "--target", f"vllm@{tree}",
-           *row.args, "--examples", str(examples), "--seed", str(seed), "--quiet",
+    if m.subject == "vllm":
+        cli, target = ROOT / "kvcheck", f"vllm@{tree}"
+    else:
+        cli, target = tree / "kvcheck", "reference"
+    cmd = [sys.executable, str(cli), "fuzz", "--target", target, *row.args,
+           "--examples", str(examples), "--seed", str(seed), "--quiet",
            "--no-failed-loads", "--no-report", "--out", str(dest)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800,
                        env=dict(os.environ, KVCHECK_NO_VENV="1"))
     row.seconds = round(time.monotonic() - t0, 1)
     lines = (p.stdout + p.stderr).splitlines()
@@ -281,8 +360,8 @@ def run_one(m: Mutant | None, examples: int, seed: int, out: Path, work: Path) -
         row.outcome, row.message = "error", " ".join(" ".join(lines).split())[-300:]
     saved = sorted(dest.glob("*.json")) if dest.is_dir() else []
     if saved:  # one trace per row, named after the mutant
-        saved[0].rename(dest / f"{name}.json")
-        row.trace = str(dest / f"{name}.json")
+        saved[0].rename(dest / f"{m.name}.json")
+        row.trace = str(dest / f"{m.name}.json")
     return row
 
 
@@ -304,12 +383,13 @@ def _crash_line(lines: list[str]) -> str:
 def render(rows: list[Row], examples: int, seed: int) -> str:
     good = sum(r.ok for r in rows)
     lines = [
-        f"# Mutants of vLLM {RELEASE}",
+        "# Mutants",
         "",
         f"{good}/{len(rows)} rows as expected ({examples} examples per row, seed {seed}, "
-        f"failed loads off). A row is one edit to vLLM's own code, fuzzed as "
-        f"`--target vllm@TREE`; `control` is the unmodified release. Rebuild a tree to "
-        f"replay a trace: `scripts/mutants.py --tree NAME DIR`.",
+        f"failed loads off). A row is one edit: `vllm` rows edit vLLM {RELEASE}'s own code "
+        f"and fuzz it as `--target vllm@TREE`; `ref-` rows edit impl/reference. The "
+        f"`control` rows are the unmodified trees. Rebuild a tree to replay a trace: "
+        f"`scripts/mutants.py --tree NAME DIR`.",
         "",
         "| mutant | the slip | fuzzed with | wanted | outcome | property | events | s |",
         "|---|---|---|---|---|---|---|---|",
@@ -326,41 +406,43 @@ def render(rows: list[Row], examples: int, seed: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated mutant names (and/or control)")
+    ap.add_argument("--only", default="", help="comma-separated mutant names (see --list)")
+    ap.add_argument("--subject", choices=["vllm", "reference"],
+                    help="only the mutants of this subject")
     ap.add_argument("--examples", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--reports", default=str(ROOT / "reports"))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--tree", nargs=2, metavar=("NAME", "DIR"),
-                    help="only build the mutant's vLLM tree in DIR (for --target vllm@DIR)")
+                    help="only build the mutant's tree in the empty folder DIR, to replay "
+                         "its trace (vllm: --target vllm@DIR; reference: DIR/kvcheck)")
     a = ap.parse_args(argv)
     byname = {m.name: m for m in MUTANTS}
     if a.tree:
         name, where = a.tree
-        if name not in byname and name != "control":
+        if name not in byname:
             print(f"mutants: unknown mutant {name!r} (see --list)", file=sys.stderr)
             return 2
-        if Path(where, "vllm").exists():
-            print(f"mutants: {where}/vllm exists; choose an empty folder", file=sys.stderr)
+        if Path(where).exists() and any(Path(where).iterdir()):
+            print(f"mutants: {where} is not empty; choose an empty folder", file=sys.stderr)
             return 2
         try:
-            print(mutant_tree(byname.get(name), Path(where)))
+            print(mutant_tree(byname[name], Path(where)))
         except AnchorError as e:
             print(f"mutants: {e}", file=sys.stderr)
             return 2
         return 0
     if a.list:
         for m in MUTANTS:
-            print(f"{m.name:28} {m.outcome:9} {m.why}")
+            print(f"{m.name:30} {m.subject:9} {m.outcome:9} {m.why}")
         return 0
     names = {n for n in a.only.split(",") if n}
-    known = set(byname) | {"control"}
-    if names - known:
-        print(f"mutants: unknown mutant(s) {', '.join(sorted(names - known))} "
+    if names - set(byname):
+        print(f"mutants: unknown mutant(s) {', '.join(sorted(names - set(byname)))} "
               f"(see --list)", file=sys.stderr)
         return 2
-    chosen: list[Mutant | None] = [None] if not names or "control" in names else []
-    chosen += [m for m in MUTANTS if not names or m.name in names]
+    chosen = [m for m in MUTANTS if (not names or m.name in names)
+              and (a.subject is None or m.subject == a.subject)]
     reports = Path(a.reports)
     out = reports / "mutants"
     out.mkdir(parents=True, exist_ok=True)
@@ -373,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"mutants: {e}", file=sys.stderr)
                 return 2
             rows.append(row)
-            print(f"{row.name:28} {row.outcome:9} {'ok ' if row.ok else 'BAD'} "
+            print(f"{row.name:30} {row.outcome:9} {'ok ' if row.ok else 'BAD'} "
                   f"{row.seconds:6.1f}s  {row.message[:100]}", flush=True)
     (reports / "mutants.md").write_text(render(rows, a.examples, a.seed))
     (reports / "mutants.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
