@@ -49,6 +49,7 @@ PROPERTIES = {
 }
 
 WITNESSES = {
+    "window_free": "a block returned to the pool because it left the window",
     "free_while_in_flight": "a window free while another step of the request was in flight",
     "rollback_near_free": "a draft rejection in a request with freed (NULL) slots",
     "preempt_in_flight": "a preemption with steps of the request in flight",
@@ -110,6 +111,7 @@ def expected_witnesses(cfg: Config) -> set[str]:
     out = {"block_reused"}
     if local:
         out.add("window_edge_crossing")
+        out.add("window_free")
     if cfg.depth >= 2 and local:
         out.add("free_while_in_flight")
     if cfg.spec_tokens and local:
@@ -278,6 +280,7 @@ class Checker:
         req = self.reqs[f.rid]
         if f.reason == "window":
             req.window_freed += 1
+            self.witness["window_free"] += 1
             if self._live_pending(f.rid):
                 self.witness["free_while_in_flight"] += 1
                 self._check_window_free(f, req.p)
