@@ -10,7 +10,10 @@ block and the positions, in one line.
 1. ``freed-while-read``: a block returned while an unprocessed step may still
    read it, or (out-of-window frees) that a rollback could make needed again;
 2. ``null-read``: a step's window, through its table, hits NULL or a block
-   the request does not hold;
+   the request does not hold, or positions of a block whose KV never arrived
+   (a failed connector load, from the block the FailLoad event names, and
+   everything the request computed after it) that nothing computed again
+   before the step reads them, whoever reads them (a prefix-cache hit too);
 3. ``pool-accounting``: free + owned + NULL = total, no double free, no leak;
 4. ``in-flight-accounting``: ``f`` equals the unprocessed steps' tokens and
    ``c = p + f + loading``; ``f = 0`` when idle;
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from model.events import Config, Event
+from model.events import Config, Event, FailLoad
 from model.observations import (
     NULL,
     AllocObs,
@@ -103,6 +106,7 @@ class _Req:
     window_freed: int = 0
     last_freeable: dict[int, int] = field(default_factory=dict)
     stopped: bool = False  # preempted / waiting since the last time it ran
+    loaded: tuple[int, int] | None = None  # positions its last connector load covers
 
 
 def expected_witnesses(cfg: Config) -> set[str]:
@@ -137,6 +141,10 @@ class Checker:
         self.event_index = -1
         self.violations: list[Violation] = []
         self.failing: set[str] = set()  # requests with a FailLoad pending
+        self.fail_from: dict[str, int] = {}  # rid -> first bad block, from the FailLoad events
+        # block -> positions [x, y) it holds without valid KV (a failed load), until
+        # a later step writes them again or the block is handed out afresh
+        self.bad: dict[int, tuple[int, int]] = {}
         self.detached: Counter[tuple[str, int, int, int]] = Counter()
         self._bound_default = tuple(
             live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
@@ -149,6 +157,10 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
+        if isinstance(event, FailLoad):
+            self.failing.add(event.id)
+            k = self.fail_from.get(event.id, event.first_bad_block)
+            self.fail_from[event.id] = min(k, event.first_bad_block)
         for item in obs.items:
             if isinstance(item, FreeObs):
                 self._free(item)
@@ -252,6 +264,8 @@ class Checker:
         if prev is not None and prev != a.rid:
             self.witness["block_reused"] += 1
         self.last_owner[a.block] = a.rid
+        if not a.cached and self.bad:
+            self.bad.pop(a.block, None)
         self.holder[key] = a.block
         self.refs[a.block] = n + 1
         if n == 0:
@@ -333,6 +347,8 @@ class Checker:
                             return
 
     def _step(self, s: StepObs) -> None:
+        if self.bad:
+            self._check_bad(s)
         row = []
         # nothing below changes self.pending or a part's dead flag
         live_map = self._live_map()
@@ -343,6 +359,8 @@ class Checker:
                 for f in req.deferred:
                     self._check_window_free(f, req.p)
                 req.deferred.clear()
+            if rs.loaded:
+                req.loaded = (rs.start - rs.loaded, rs.start)
             pp = _Pending(s.step, rs)
             self._check_reads(pp, "scheduled")
             for gi, g in enumerate(self.cfg.groups):
@@ -353,6 +371,42 @@ class Checker:
             row.append(pp)
         self.pending.append(row)
         self.pending_ids.append(s.step)
+
+    def _check_bad(self, s: StepObs) -> None:
+        """A step reads the positions below each request's start from the cache
+        (per layer, after every request of the step wrote its own positions):
+        none of them may lie in a block's bad range. Writes make good what they
+        cover, from the bad range's start on."""
+        B, bad = self.B, self.bad
+        for rs in s.reqs:  # the step's writes first
+            a, b = rs.start, rs.end
+            for table in rs.tables:
+                for lg in range(a // B, min(-(-b // B), len(table))):
+                    r = bad.get(table[lg])
+                    if r is not None and a <= r[0]:
+                        if b >= r[1]:
+                            del bad[table[lg]]
+                        else:
+                            bad[table[lg]] = (max(r[0], b), r[1])
+        for rs in s.reqs:
+            a = rs.start
+            for gi, g in enumerate(self.cfg.groups):
+                table = rs.tables[gi] if gi < len(rs.tables) else ()
+                wlo = window(g, a)[0] if a > 0 else 0
+                for lg in range(wlo // B, min(-(-a // B), len(table))):
+                    r = bad.get(table[lg])
+                    if r is None:
+                        continue
+                    x, y = max(r[0], wlo), min(r[1], a)
+                    if x < y:
+                        self._v(2, f"step {s.step} (scheduled) computes {rs.rid} positions "
+                                   f"[{a}, {rs.end}); position {a} reads [{wlo}, {a}] "
+                                   f"({g.label()}) but block {table[lg]} (logical {lg}) holds no "
+                                   f"valid KV for positions [{x}, {y}): a connector load into it "
+                                   f"failed and nothing computed them again",
+                                step=s.step, rid=rs.rid, block=table[lg])
+                        del bad[table[lg]]
+                        return
 
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
@@ -393,6 +447,7 @@ class Checker:
             req = self.reqs[rid]
             if rid in failed:
                 self.failing.discard(rid)
+                self._invalidate(rid, req, self.fail_from.pop(rid, None))
                 self.witness["failed_load"] += 1
                 if self._live_pending(rid):
                     self.witness["failed_load_in_flight"] += 1
@@ -416,6 +471,7 @@ class Checker:
         for rid, k in failed.items():
             if rid not in in_row:
                 self.failing.discard(rid)
+                self.fail_from.pop(rid, None)
                 self.witness["failed_load"] += 1
                 self.reqs[rid].p = k * self.B
                 for later in self._live_pending(rid):
@@ -424,6 +480,19 @@ class Checker:
         # resumed at once after a preemption (vLLM 0.25.1) has live steps after
         # the discarded ones; those scheduled before the preemption were marked
         # dead when the request stopped running.
+
+    def _invalidate(self, rid: str, req: _Req, first_bad: int | None) -> None:
+        """A load failed from logical block ``first_bad`` (the event's index, not
+        what the target says it recomputes): from there on, what the request's
+        blocks hold is not valid KV, the load's positions and everything
+        computed after them alike (later layers read the missing KV)."""
+        if first_bad is None or req.loaded is None:
+            return
+        B = self.B
+        lo = max(first_bad * B, req.loaded[0])
+        for (hr, _group, lg), blk in self.holder.items():
+            if hr == rid and blk != NULL and (lg + 1) * B > lo:
+                self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
 
     def _detach(self, rid: str) -> None:
         """A request stopped running: its table is let go at once, while its

@@ -261,7 +261,6 @@ class KVMachine(RuleBasedStateMachine):
     def fail_load(self, data: st.DataObject) -> None:
         rid, lo, hi = data.draw(st.sampled_from(self._loading()), label="load")
         k = data.draw(st.integers(lo, hi), label="first_bad_block")
-        self.checker.failing.add(rid)
         self._apply(FailLoad(rid, k))
 
     @precondition(lambda self: bool(self._live()))
