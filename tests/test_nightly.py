@@ -44,8 +44,8 @@ def test_default_matrix_and_restrictions():
     ids = [r["id"] for r in rows]
     assert ids == ["reference-full-settled", "reference-sliding-settled",
                    "reference-chunked_local-settled", "reference-mamba-settled",
-                   "reference-hybrid-settled", "vllm-0.33.0-full-settled",
-                   "vllm-0.33.0-sliding-settled"]
+                   "reference-hybrid-settled", "vllm-0.33.0-full-settled-failed_loadsoff",
+                   "vllm-0.33.0-sliding-settled-failed_loadsoff"]
     assert all(r["unavailable"] is None for r in rows)
     assert any("mamba" in n for n in notes)  # said, not silently dropped
     only = nightly.build_matrix("reference:sliding:optimistic:depth=2", vllm_cache())[0]
