@@ -8,10 +8,13 @@ Layout of one KV-cache group's cache, the same as vLLM's Triton backend::
 Values are a pure function of what they stand for, so a dense reference can
 be rebuilt at any time without looking at the cache:
 
-* ``kv_true(rid, t)``: the K/V of the token at position ``t``. A prompt
-  position's K/V depends on ``t`` only (every request has the same prompt
-  tokens, so prefix-cache hits across requests read identical K/V); a
-  generated position's on ``(rid, t)``.
+* ``kv_true(rid, t)``: the K/V of the token at position ``t``, a function of
+  the tokens up to ``t`` as a model's would be. Every request has the same
+  prompt stream and every target samples the same generated token, so a
+  prompt position's K/V depends on ``t`` only and a generated position's on
+  ``(prompt_len, t)``: a prefix-cache hit (equal hashes, equal tokens) reads
+  identical K/V, across requests too; a block of a request with another
+  prompt length does not.
 * patterns that must never be read (:func:`junk_kv`): ``foreign`` (what an
   unordered writer such as a connector's load into a freed block leaves, V
   shifted by +8), ``uninit`` (a slot never written, V shifted by -8),
@@ -114,11 +117,17 @@ def junk_kv(tag: int, stream: int, group: int, positions: np.ndarray, shape: Sha
     return k, v + PATTERN_SHIFT.get(tag, 0.0)
 
 
+def _generated_stream(prompt_len: int) -> int:
+    """The stream of generated positions after a prompt of ``prompt_len`` tokens
+    (the prompt stream is 0)."""
+    return rid_stream(f"generated after {prompt_len}")
+
+
 def kv_true(rid: str, prompt_len: int, group: int, positions: np.ndarray,
             shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     """The true K and V of ``rid`` at ``positions`` (float32, CPU)."""
     positions = np.asarray(positions, dtype=np.int64)
-    stream = rid_stream(rid)
+    stream = _generated_stream(prompt_len)
     k = pattern(0, TAG_K, group, positions, shape)
     v = pattern(0, TAG_V, group, positions, shape)
     gen = positions >= prompt_len
@@ -136,7 +145,7 @@ def q_true(rid: str, prompt_len: int, group: int, positions: np.ndarray,
     q = pattern(0, TAG_Q, group, positions, shape)
     gen = positions >= prompt_len
     if gen.any():
-        qg = pattern(rid_stream(rid), TAG_Q, group, positions, shape)
+        qg = pattern(_generated_stream(prompt_len), TAG_Q, group, positions, shape)
         q = torch.where(torch.from_numpy(gen)[:, None, None], qg, q)
     return q
 

@@ -266,13 +266,19 @@ def test_hand_bf16_within_its_tolerance_and_still_catches_garbage():
     assert not bad.ok and bad.max_err > 1.0
 
 
-def test_kv_prompt_positions_shared_across_requests_generated_not():
+def test_kv_is_a_function_of_the_tokens_up_to_the_position():
+    """Prompt positions: shared by every request. Generated positions (every
+    target samples the same token): shared by requests with the same prompt
+    length, as a prefix-cache hit across them reads; not by another length."""
     s = Shape()
     pos = np.arange(8, 12)
     k0, v0 = kv_true("r0", 10, 0, pos, s)
     k1, v1 = kv_true("r1", 10, 0, pos, s)
-    assert torch.equal(k0[:2], k1[:2]) and torch.equal(v0[:2], v1[:2])  # prompt 8, 9
-    assert not torch.equal(k0[2:], k1[2:])  # generated 10, 11
+    k2, _ = kv_true("r2", 11, 0, pos, s)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1)  # same tokens throughout
+    assert torch.equal(k0[:2], k2[:2])  # prompt 8, 9
+    assert not torch.equal(k0[3:], k2[3:])  # 11: generated for both, other prefixes
+    assert not torch.equal(k0[2:3], k2[2:3])  # 10: generated for r0, prompt for r2
     assert torch.equal(kv_true("r0", 10, 0, pos, s)[0], k0)  # deterministic
     assert not torch.equal(kv_true("r0", 10, 1, pos, s)[0], k0)  # groups differ
 
