@@ -553,12 +553,12 @@ class Scheduler:
                for table in self.coord.tables(rid) for b in table[k:] if b != NULL}
         out = dict(fails)
         for r in self.running:
-            if r.rid in out or r.rid in ending:
+            if r.rid in ending:
                 continue
             slots = [i for table in self.coord.tables(r.rid)
                      for i, b in enumerate(table) if b in bad]
-            if slots:
-                out[r.rid] = min(slots)
+            if slots:  # its own failure too may lie past a shared bad block
+                out[r.rid] = min(out.get(r.rid, min(slots)), min(slots))
         return out
 
     def _fail_load(self, r: Request, first_bad: int) -> None:
