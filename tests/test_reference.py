@@ -30,6 +30,7 @@ from model.events import (
     Preempt,
     Process,
     Schedule,
+    Trace,
     config_for,
 )
 from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
@@ -531,3 +532,21 @@ def test_a_step_costs_microseconds():
             n += 1
     per_event = (time.perf_counter() - t0) / n
     assert per_event < 2e-3, f"{per_event * 1e6:.0f} us per event"
+
+
+def test_own_failed_load_past_a_shared_bad_block_recomputes_from_the_shared_one():
+    """r1 hits r0's loaded blocks 1-5 and loads its own tail; both loads fail,
+    r0's from block 0, r1's from block 5. r1 must recompute from 0 (it holds
+    r0's spoiled blocks), not from its own bad block."""
+    from properties.replay import replay
+
+    cfg = config_for("full", block_size=16, num_blocks=11, max_num_batched_tokens=16,
+                     depth=1, hazard="unordered", prefix_caching=True)
+    events = [AddRequest("r0", 80, 1, 65), AddRequest("r1", 82, 1, 81), Schedule(),
+              FailLoad("r0", 0), FailLoad("r1", 5), Process(), Finish("r0"), Schedule()]
+    rr = replay(Trace(cfg, events), "reference")
+    assert rr.first is None, rr.first
+    (po,) = [it for it in rr.rows[5].obs.items if isinstance(it, ProcessObs)]
+    assert dict(po.failed) == {"r0": 0, "r1": 0}
+    (step,) = [it for it in rr.rows[7].obs.items if isinstance(it, StepObs)]
+    assert [(rs.rid, rs.start) for rs in step.reqs] == [("r1", 0)]
