@@ -14,6 +14,8 @@ block and the positions, in one line.
    (a failed connector load, from the block the FailLoad event names, and
    everything the request computed after it) that nothing computed again
    before the step reads them, whoever reads them (a prefix-cache hit too);
+   and the output of a step that read such positions before the failure was
+   known must not count;
 3. ``pool-accounting``: free + owned + NULL = total, no double free, no leak;
 4. ``in-flight-accounting``: ``f`` equals the unprocessed steps' tokens and
    ``c = p + f + loading``; ``f = 0`` when idle;
@@ -88,6 +90,7 @@ class _Pending:
     rs: ReqStep
     shift: int = 0  # positions it computes moved down by rejections of earlier steps
     dead: bool = False  # output will be discarded (preempted / failed / ended)
+    tainted: str = ""  # what it read that a failed load left without KV (output must not count)
 
     @property
     def start(self) -> int:
@@ -442,12 +445,25 @@ class Checker:
         accepted = dict(po.accepted)
         failed = dict(po.failed)
         discarded = set(po.discarded)
+        fresh: dict[int, tuple[int, int]] = {}
+        for pp in row:  # the loads of this step that failed spoil blocks from here on
+            rid = pp.rs.rid
+            if rid in failed:
+                fresh.update(self._invalidate(rid, self.reqs[rid], self.fail_from.pop(rid, None)))
+        if fresh:  # steps already run or in flight that read them: their output is garbage
+            for part in [*row, *(q for step in self.pending for q in step)]:
+                part.tainted = part.tainted or self._reads_bad(part, fresh)
+        for pp in row:
+            rid = pp.rs.rid
+            if pp.tainted and rid in accepted and rid not in failed:
+                self._v(2, f"the output of step {po.step} for {rid} counts, but the step read "
+                           f"{pp.tainted}, which a failed connector load left without KV",
+                        step=po.step, rid=rid)
         for pp in row:
             rid = pp.rs.rid
             req = self.reqs[rid]
             if rid in failed:
                 self.failing.discard(rid)
-                self._invalidate(rid, req, self.fail_from.pop(rid, None))
                 self.witness["failed_load"] += 1
                 if self._live_pending(rid):
                     self.witness["failed_load_in_flight"] += 1
@@ -481,18 +497,37 @@ class Checker:
         # the discarded ones; those scheduled before the preemption were marked
         # dead when the request stopped running.
 
-    def _invalidate(self, rid: str, req: _Req, first_bad: int | None) -> None:
+    def _invalidate(self, rid: str, req: _Req, first_bad: int | None) -> dict[int, tuple[int, int]]:
         """A load failed from logical block ``first_bad`` (the event's index, not
         what the target says it recomputes): from there on, what the request's
         blocks hold is not valid KV, the load's positions and everything
-        computed after them alike (later layers read the missing KV)."""
+        computed after them alike (later layers read the missing KV). Returns
+        the blocks it spoiled, with their bad positions."""
         if first_bad is None or req.loaded is None:
-            return
+            return {}
         B = self.B
         lo = max(first_bad * B, req.loaded[0])
+        out = {}
         for (hr, _group, lg), blk in self.holder.items():
             if hr == rid and blk != NULL and (lg + 1) * B > lo:
-                self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
+                out[blk] = self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
+        return out
+
+    def _reads_bad(self, pp: _Pending, bad: dict[int, tuple[int, int]]) -> str:
+        """Which spoiled positions a step part reads from the cache, if any: its
+        window below its start (a load lands before the kernel, so a part of
+        the loading step that reads the loaded positions counts too)."""
+        rs, B = pp.rs, self.B
+        for gi, g in enumerate(self.cfg.groups):
+            table = rs.tables[gi] if gi < len(rs.tables) else ()
+            a = rs.start
+            wlo = window(g, a)[0] if a > 0 else 0
+            for lg in range(wlo // B, min(-(-a // B), len(table))):
+                r = bad.get(table[lg])
+                if r is not None and max(r[0], wlo) < min(r[1], a):
+                    return (f"block {table[lg]} (logical {lg}, positions "
+                            f"[{max(r[0], wlo)}, {min(r[1], a)}))")
+        return ""
 
     def _detach(self, rid: str) -> None:
         """A request stopped running: its table is let go at once, while its

@@ -60,7 +60,7 @@ from collections import deque
 from model.events import Config
 from model.observations import NULL, FinishObs, Item, ProcessObs, ReqCounters, ReqStep, StepObs
 from model.policy import Counts, basis
-from model.windows import live_bound
+from model.windows import live_bound, window
 
 from .block_pool import BlockPool
 from .coordinator import Coordinator, Held
@@ -103,7 +103,7 @@ class Entry:
     ``spec`` of them drafts, ``loaded`` positions before ``start`` loaded."""
 
     __slots__ = ("rid", "start", "end", "spec", "loaded", "tables", "shift", "discarded", "fail",
-                 "samples")
+                 "samples", "spoiled")
 
     def __init__(self, rid: str, start: int, end: int, spec: int, loaded: int,
                  tables: tuple[tuple[int, ...], ...]) -> None:
@@ -117,6 +117,7 @@ class Entry:
         self.discarded: str | None = None  # "dropped" or "stale" (preempted)
         self.fail: int | None = None  # first bad block of a failed load
         self.samples = False  # reaches the known tokens: its output is a sampled token
+        self.spoiled = False  # read blocks a failed load left without KV: output dropped
 
 
 class Step:
@@ -232,12 +233,16 @@ class Scheduler:
         fails = {e.rid: e.fail for e in step.entries
                  if e.fail is not None and not e.discarded and e.rid not in ending}
         if fails:
-            fails = self._spread_failures(fails, ending)
+            fails, spoiled = self._spread_failures(fails, ending)
+            for st in (step, *self.steps):  # what already read them is garbage
+                for e in st.entries:
+                    e.spoiled = e.spoiled or self._read_any(e, spoiled)
         for e in step.entries:
             r = self.requests[e.rid]
             if e.discarded:
                 r.stale -= 1
-                if e.discarded == "stale" and e.samples and r.status != "finished":
+                if (e.discarded == "stale" and e.samples and r.status != "finished"
+                        and not e.spoiled):
                     # A preempted request's output still arrives (vLLM 0.33
                     # delivers it): its tokens count, its rejections do not.
                     a = accepted.get(e.rid, e.spec)
@@ -543,12 +548,24 @@ class Scheduler:
         self._let_go(r, self.coord.pop_for_free(r.rid), "finish" if reason == "length" else reason)
         self._discard(r)
 
-    def _spread_failures(self, fails: dict[str, int], ending: dict[str, str]) -> dict[str, int]:
+    def _read_any(self, e: Entry, blocks: set[int]) -> bool:
+        """Whether a step entry read one of ``blocks`` from the cache (the window
+        of its first position, below it)."""
+        B, a = self.B, e.start - e.shift
+        for g, table in zip(self.groups, e.tables, strict=False):
+            lo = window(g, a)[0] if a > 0 else 0
+            if any(b in blocks for b in table[lo // B:-(-a // B)]):
+                return True
+        return False
+
+    def _spread_failures(self, fails: dict[str, int],
+                         ending: dict[str, str]) -> tuple[dict[str, int], set[int]]:
         """A failed load spoils the loading request's blocks from the first
         bad one on (the ones computed after it read them); a prefix-cache hit
         may share them. Every running request holding one recomputes from its
         first such slot, as vLLM reschedules every request holding an
-        invalid block."""
+        invalid block. Also returns the spoiled blocks: a preempted request's
+        output that read one is dropped, not delivered."""
         bad = {b for rid, k in fails.items()
                for table in self.coord.tables(rid) for b in table[k:] if b != NULL}
         out = dict(fails)
@@ -559,7 +576,7 @@ class Scheduler:
                      for i, b in enumerate(table) if b in bad]
             if slots:  # its own failure too may lie past a shared bad block
                 out[r.rid] = min(out.get(r.rid, min(slots)), min(slots))
-        return out
+        return out, bad
 
     def _fail_load(self, r: Request, first_bad: int) -> None:
         """Recompute from the first bad block, into the blocks the request
