@@ -549,8 +549,13 @@ class Checker:
         c = obs.counters
         owned = self._owned
         if c.free_blocks + owned + 1 != c.total_blocks:
+            n = c.total_blocks - (c.free_blocks + owned + 1)
+            why = (f"{n} block(s) neither free nor held by any request (a reference kept "
+                   f"after the last holder let go?)" if n > 0 else
+                   f"{-n} block(s) counted free while a request holds them (a holder took "
+                   f"no reference, or a held block was freed?)")
             self._v(3, f"pool accounting: free {c.free_blocks} + owned {owned} + NULL 1 != total "
-                       f"{c.total_blocks}")
+                       f"{c.total_blocks}: {why}")
         # The requests not finished, in the target's order, in one tight pass:
         # targets keep finished requests in their counters for good.
         active = [(rid, rc) for rid, rc in c.reqs.items() if rc.status != "finished"]

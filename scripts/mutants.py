@@ -404,10 +404,10 @@ def render(rows: list[Row], examples: int, seed: int) -> str:
         "# Mutants",
         "",
         f"{good}/{len(rows)} rows as expected ({examples} examples per row, seed {seed}, "
-        f"failed loads off). A row is one edit: `vllm` rows edit vLLM {RELEASE}'s own code "
-        f"and fuzz it as `--target vllm@TREE`; `ref-` rows edit impl/reference. The "
-        f"`control` rows are the unmodified trees. Rebuild a tree to replay a trace: "
-        f"`scripts/mutants.py --tree NAME DIR`.",
+        f"failed loads off unless the row says `--failed-loads`). A row is one edit: "
+        f"`vllm` rows edit vLLM {RELEASE}'s own code and fuzz it as `--target vllm@TREE`; "
+        f"`ref-` rows edit impl/reference. The `control` rows are the unmodified trees. "
+        f"Rebuild a tree to replay a trace: `scripts/mutants.py --tree NAME DIR`.",
         "",
         "| mutant | the slip | fuzzed with | wanted | outcome | property | events | s |",
         "|---|---|---|---|---|---|---|---|",
