@@ -697,9 +697,12 @@ def detect_once(subject: Subject, target: Any, seed: int, examples: int) -> dict
             count[0] += 1
             return
         ch = getattr(m, "checker", None)
-        if not first and ch is not None and ch.violations:
-            first.update(seconds=time.perf_counter() - t0, examples=count[0],
-                         prop=ch.violations[0].prop)
+        if first or ch is None:
+            return
+        # the enforced properties only, as the machine judges (--props)
+        hit = next((v for v in ch.violations if v.prop in fs.props), None)
+        if hit is not None:
+            first.update(seconds=time.perf_counter() - t0, examples=count[0], prop=hit.prop)
 
     res = fuzz(fs, examples=examples, seed=seed, target=target, on_example=on_example)
     out: dict[str, Any] = {
