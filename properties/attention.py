@@ -332,7 +332,7 @@ class AttentionReplay:
         pos = np.arange(rs.start - rs.loaded, rs.start)
         bad_from = self.failed_at.get((step, rs.rid))
         for gi in range(len(self.cfg.groups)):
-            k, v = kv_true(rs.rid, plen, gi, pos, self.shape)
+            k, v = kv_true(plen, gi, pos, self.shape)
             if bad_from is not None:
                 bad = torch.from_numpy(pos // self.B >= bad_from)[:, None, None]
                 jk, jv = junk_kv(TAG_FAILED, rid_stream(rs.rid), gi, pos, self.shape, salt=step)
@@ -362,7 +362,7 @@ class AttentionReplay:
             good = np.arange(a, b - rejected)
             drafts = np.arange(b - rejected, b)
             for gi in range(len(self.cfg.groups)):
-                k, v = kv_true(rid, plen, gi, good, self.shape)
+                k, v = kv_true(plen, gi, good, self.shape)
                 self._write(gi, _table(rs, gi), good, k, v)
                 if len(drafts):
                     jk, jv = junk_kv(TAG_DRAFT, rid_stream(rid), gi, drafts, self.shape,
@@ -420,11 +420,11 @@ class AttentionReplay:
             table = _table(rs, gi)
             lo = np.array([window(g, int(t))[0] for t in ts], dtype=np.int64)
             pos, mask = window_grid(lo, ts)
-            q = q_true(rid, plen, gi, ts, self.shape)
+            q = q_true(plen, gi, ts, self.shape)
             cache = self.caches[gi]
             got = gather_paged(cache, table, pos, mask)
             out = attend(q, got, self.dtype)
-            ref = dense_reference(rid, plen, gi, q, pos, mask, self.shape, self.device,
+            ref = dense_reference(plen, gi, q, pos, mask, self.shape, self.device,
                                   self.dtype)
             isnan = torch.isnan(out).flatten(1).any(1) | got.nan_rows
             err = (out - ref).abs().flatten(1).amax(1)

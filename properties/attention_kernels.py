@@ -8,7 +8,7 @@ Layout of one KV-cache group's cache, the same as vLLM's Triton backend::
 Values are a pure function of what they stand for, so a dense reference can
 be rebuilt at any time without looking at the cache:
 
-* ``kv_true(rid, t)``: the K/V of the token at position ``t``, a function of
+* ``kv_true(prompt_len, t)``: the K/V of the token at position ``t``, a function of
   the tokens up to ``t`` as a model's would be. Every request has the same
   prompt stream and every target samples the same generated token, so a
   prompt position's K/V depends on ``t`` only and a generated position's on
@@ -123,9 +123,10 @@ def _generated_stream(prompt_len: int) -> int:
     return rid_stream(f"generated after {prompt_len}")
 
 
-def kv_true(rid: str, prompt_len: int, group: int, positions: np.ndarray,
+def kv_true(prompt_len: int, group: int, positions: np.ndarray,
             shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The true K and V of ``rid`` at ``positions`` (float32, CPU)."""
+    """The true K and V at ``positions`` of a request with ``prompt_len`` prompt
+    tokens (float32, CPU): the same for every such request."""
     positions = np.asarray(positions, dtype=np.int64)
     stream = _generated_stream(prompt_len)
     k = pattern(0, TAG_K, group, positions, shape)
@@ -138,9 +139,10 @@ def kv_true(rid: str, prompt_len: int, group: int, positions: np.ndarray,
     return k, v
 
 
-def q_true(rid: str, prompt_len: int, group: int, positions: np.ndarray,
+def q_true(prompt_len: int, group: int, positions: np.ndarray,
            shape: Shape) -> torch.Tensor:
-    """The query of ``rid`` at ``positions`` (float32, CPU)."""
+    """The query at ``positions`` of a request with ``prompt_len`` prompt
+    tokens (float32, CPU)."""
     positions = np.asarray(positions, dtype=np.int64)
     q = pattern(0, TAG_Q, group, positions, shape)
     gen = positions >= prompt_len
@@ -240,13 +242,13 @@ def attend(q: torch.Tensor, g: Gathered, compute_dtype: torch.dtype) -> torch.Te
     return out.float()
 
 
-def dense_reference(rid: str, prompt_len: int, group: int, q: torch.Tensor, pos: np.ndarray,
+def dense_reference(prompt_len: int, group: int, q: torch.Tensor, pos: np.ndarray,
                     mask: np.ndarray, shape: Shape, device: torch.device,
                     dtype: torch.dtype) -> torch.Tensor:
     """Dense attention over the true K/V of the same window positions, in fp32
     from values rounded to the cache's dtype (so only arithmetic differs)."""
     flat = np.where(mask, pos, 0).reshape(-1)
-    k, v = kv_true(rid, prompt_len, group, flat, shape)
+    k, v = kv_true(prompt_len, group, flat, shape)
     n, L = pos.shape
     k = k.to(dtype).view(n, L, shape.heads, shape.head_dim).to(device)
     v = v.to(dtype).view(n, L, shape.heads, shape.head_dim).to(device)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from model.events import Config, Event, FailLoad
+from model.events import Config, Event, FailLoad, Group
 from model.observations import (
     NULL,
     AllocObs,
@@ -392,24 +392,18 @@ class Checker:
                         else:
                             bad[table[lg]] = (max(r[0], b), r[1])
         for rs in s.reqs:
-            a = rs.start
-            for gi, g in enumerate(self.cfg.groups):
-                table = rs.tables[gi] if gi < len(rs.tables) else ()
-                wlo = window(g, a)[0] if a > 0 else 0
-                for lg in range(wlo // B, min(-(-a // B), len(table))):
-                    r = bad.get(table[lg])
-                    if r is None:
-                        continue
-                    x, y = max(r[0], wlo), min(r[1], a)
-                    if x < y:
-                        self._v(2, f"step {s.step} (scheduled) computes {rs.rid} positions "
-                                   f"[{a}, {rs.end}); position {a} reads [{wlo}, {a}] "
-                                   f"({g.label()}) but block {table[lg]} (logical {lg}) holds no "
-                                   f"valid KV for positions [{x}, {y}): a connector load into it "
-                                   f"failed and nothing computed them again",
-                                step=s.step, rid=rs.rid, block=table[lg])
-                        del bad[table[lg]]
-                        return
+            hit = self._bad_read(rs, bad)
+            if hit is not None:
+                g, lg, blk, x, y = hit
+                a = rs.start
+                self._v(2, f"step {s.step} (scheduled) computes {rs.rid} positions "
+                           f"[{a}, {rs.end}); position {a} reads [{window(g, a)[0]}, {a}] "
+                           f"({g.label()}) but block {blk} (logical {lg}) holds no "
+                           f"valid KV for positions [{x}, {y}): a connector load into it "
+                           f"failed and nothing computed them again",
+                        step=s.step, rid=rs.rid, block=blk)
+                del bad[blk]
+                return
 
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
@@ -452,7 +446,9 @@ class Checker:
                 fresh.update(self._invalidate(rid, self.reqs[rid], self.fail_from.pop(rid, None)))
         if fresh:  # steps already run or in flight that read them: their output is garbage
             for part in [*row, *(q for step in self.pending for q in step)]:
-                part.tainted = part.tainted or self._reads_bad(part, fresh)
+                if not part.tainted and (hit := self._bad_read(part.rs, fresh)):
+                    _g, lg, blk, x, y = hit
+                    part.tainted = f"block {blk} (logical {lg}, positions [{x}, {y}))"
         for pp in row:
             rid = pp.rs.rid
             if pp.tainted and rid in accepted and rid not in failed:
@@ -513,21 +509,20 @@ class Checker:
                 out[blk] = self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
         return out
 
-    def _reads_bad(self, pp: _Pending, bad: dict[int, tuple[int, int]]) -> str:
-        """Which spoiled positions a step part reads from the cache, if any: its
-        window below its start (a load lands before the kernel, so a part of
-        the loading step that reads the loaded positions counts too)."""
-        rs, B = pp.rs, self.B
-        for gi, g in enumerate(self.cfg.groups):
-            table = rs.tables[gi] if gi < len(rs.tables) else ()
-            a = rs.start
-            wlo = window(g, a)[0] if a > 0 else 0
+    def _bad_read(self, rs: ReqStep, bad: dict[int, tuple[int, int]]
+                  ) -> tuple[Group, int, int, int, int] | None:
+        """The first spoiled positions ``[x, y)`` a step part reads from the
+        cache, as ``(group, logical, block, x, y)``: its window below its start
+        (its own positions it writes first; a load lands before the kernel, so
+        a part of the loading step that reads the loaded positions counts)."""
+        a, B = rs.start, self.B
+        for g, table in zip(self.cfg.groups, rs.tables, strict=False):
+            wlo = window(g, a)[0]
             for lg in range(wlo // B, min(-(-a // B), len(table))):
                 r = bad.get(table[lg])
                 if r is not None and max(r[0], wlo) < min(r[1], a):
-                    return (f"block {table[lg]} (logical {lg}, positions "
-                            f"[{max(r[0], wlo)}, {min(r[1], a)}))")
-        return ""
+                    return g, lg, table[lg], max(r[0], wlo), min(r[1], a)
+        return None
 
     def _detach(self, rid: str) -> None:
         """A request stopped running: its table is let go at once, while its

@@ -550,3 +550,21 @@ def test_own_failed_load_past_a_shared_bad_block_recomputes_from_the_shared_one(
     assert dict(po.failed) == {"r0": 0, "r1": 0}
     (step,) = [it for it in rr.rows[7].obs.items if isinstance(it, StepObs)]
     assert [(rs.rid, rs.start) for rs in step.reqs] == [("r1", 0)]
+
+
+def test_a_preempted_requests_output_that_read_a_failed_load_is_dropped():
+    """r2 hits r1's blocks (prefix cache) in the step whose load into them
+    fails, and is preempted meanwhile: its stale output read KV that never
+    arrived, so it is dropped, not delivered like other stale output."""
+    from properties.replay import replay
+
+    cfg = config_for("full", block_size=16, num_blocks=6, max_num_batched_tokens=16,
+                     depth=2, hazard="ordered", prefix_caching=True)
+    events = [AddRequest("r1", 16, 1, 1), AddRequest("r2", 17, 1), Schedule(),
+              Preempt("r2"), FailLoad("r1", 0), Process()]
+    rr = replay(Trace(cfg, events), "reference")
+    (step,) = [it for it in rr.rows[2].obs.items if isinstance(it, StepObs)]
+    assert [(rs.rid, rs.start) for rs in step.reqs] == [("r1", 1), ("r2", 16)]
+    assert rr.first is None, rr.first
+    (po,) = [it for it in rr.rows[5].obs.items if isinstance(it, ProcessObs)]
+    assert "r2" in po.discarded and "r2" not in dict(po.accepted)
