@@ -61,10 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--block-size", type=int, default=None)
     f.add_argument("--no-external", action="store_true",
                    help="no connector-loaded tokens (and so no failed loads)")
+    f.add_argument("--unaligned-loads", action="store_true",
+                   help="connectors may offer external token counts that end inside a block "
+                        "(default: whole blocks, as block-granular connectors offer)")
     f.add_argument("--no-failed-loads", action="store_true",
                    help="connector loads never fail (to fuzz past a known failed-load finding)")
     f.add_argument("--examples", type=int, default=200)
-    f.add_argument("--steps", type=int, default=30, help="events per example at most")
+    f.add_argument("--steps", type=int, default=None,
+                   help="events per example at most (default 30; 50 for rswa)")
     f.add_argument("--seed", type=int, default=None)
     f.add_argument("--db", default=None,
                    help="Hypothesis example database directory (failures replay first)")
@@ -157,7 +161,8 @@ def cmd_fuzz(a) -> int:
                     spec_tokens=a.spec_tokens, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
-                    props=_parse_props(a.props), fail_loads=not a.no_failed_loads)
+                    props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
+                    aligned_loads=not a.unaligned_loads)
     _validate_spec(spec, a)
     db = None
     if a.db:
@@ -268,7 +273,7 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--spec-tokens {spec.spec_tokens}: must be 0-8")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
-    if a.examples < 1 or a.steps < 1:
+    if a.examples < 1 or (a.steps is not None and a.steps < 1):
         raise UsageError("--examples and --steps must be positive")
 
 

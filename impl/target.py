@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from model.events import Config, Event
+from model.events import KINDS, Config, Event
 from model.observations import Observed
 
 
@@ -31,7 +31,7 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True)
 class Capabilities:
-    kinds: frozenset[str] = frozenset({"full", "sliding", "chunked_local", "mamba", "hybrid"})
+    kinds: frozenset[str] = frozenset({*KINDS, "hybrid"})
     policies: frozenset[str] | None = None  # None: any registered policy
     max_depth: int = 4
     spec_tokens: bool = True

@@ -19,9 +19,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .kinds import KINDS as KIND_CLASSES
+from .kinds import Kind, make_kind
+
 TRACE_VERSION = 1
 
-KINDS = ("full", "sliding", "chunked_local", "mamba")
+# the kinds the fuzzer, the prover and the targets take (model/kinds.py has their classes)
+KINDS = ("full", "sliding", "chunked_local", "mamba", "rswa", "sink")
 HAZARDS = ("ordered", "unordered")
 
 
@@ -152,22 +156,33 @@ def _check_event_types(ev: Event, where: str) -> None:
 # --------------------------------------------------------------------- config
 
 
+_SPECS: dict[tuple[str, int], Kind] = {}
+
+
 @dataclass(frozen=True)
 class Group:
     """One KV-cache group: its attention kind and the kind's parameter.
 
     ``param`` is the window ``W`` for ``sliding``, the chunk ``C`` for
-    ``chunked_local``, unused (0) for ``full`` and ``mamba``."""
+    ``chunked_local``, the recent window ``R`` for ``rswa``, the sink length
+    ``S`` for ``sink``, unused (0) for ``full`` and ``mamba``. ``spec`` is
+    the kind object (model/kinds.py) that says what it reads and frees."""
 
     kind: str
     param: int = 0
 
+    @property
+    def spec(self) -> Kind:
+        key = (self.kind, self.param)
+        k = _SPECS.get(key)
+        if k is None:
+            if self.kind not in KIND_CLASSES:
+                raise TraceError(f"unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
+            k = _SPECS[key] = make_kind(self.kind, self.param)
+        return k
+
     def label(self) -> str:
-        if self.kind == "sliding":
-            return f"sliding(W={self.param})"
-        if self.kind == "chunked_local":
-            return f"chunked_local(C={self.param})"
-        return self.kind
+        return self.spec.label() if self.kind in KIND_CLASSES else self.kind
 
 
 @dataclass(frozen=True)
@@ -231,21 +246,21 @@ class Config:
 
     def validate(self) -> None:
         """Raise :class:`TraceError` for an impossible config."""
-        for g in self.groups:
-            if g.kind not in KINDS:
-                raise TraceError(f"config: unknown kind {g.kind!r} (known: {', '.join(KINDS)})")
-            if g.kind in ("sliding", "chunked_local") and g.param < 1:
-                raise TraceError(f"config: {g.kind} needs a positive window/chunk, got {g.param}")
-            if g.kind == "chunked_local" and g.param % self.block_size:
-                raise TraceError(
-                    f"config: chunk {g.param} must be a multiple of the block size "
-                    f"{self.block_size}"
-                )
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "depth"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise TraceError(f"config: {name} must be a positive integer, got {v!r}")
+        for g in self.groups:
+            if not isinstance(g.kind, str) or g.kind not in KINDS:
+                raise TraceError(f"config: unknown kind {g.kind!r} (known: {', '.join(KINDS)})")
+            why = g.spec.problem(self.block_size)
+            if why:
+                raise TraceError(f"config: {why}")
+        reserved = sum(len(g.spec.reserved_blocks(self.block_size)) for g in self.groups)
+        if reserved and self.num_blocks < reserved + 3:
+            raise TraceError(f"config: num_blocks {self.num_blocks} leaves no room beside the "
+                             f"NULL block and {reserved} reserved sink block(s)")
         if not _is_int(self.spec_tokens) or self.spec_tokens < 0:
             raise TraceError(
                 f"config: spec_tokens must be an integer >= 0, got {self.spec_tokens!r}"
@@ -278,10 +293,13 @@ def config_for(kind: str, **kw: Any) -> Config:
     """A config for a named kind (``hybrid`` is full + sliding(W))."""
     window = kw.pop("window", 16)
     chunk = kw.pop("chunk", 32)
-    if kind == "sliding":
-        groups = (Group("sliding", window),)
+    sink = kw.pop("sink", kw.get("block_size", 16))
+    if kind in ("sliding", "rswa"):
+        groups = (Group(kind, window),)
     elif kind == "chunked_local":
         groups = (Group("chunked_local", chunk),)
+    elif kind == "sink":
+        groups = (Group("sink", sink),)
     elif kind in ("full", "mamba"):
         groups = (Group(kind),)
     elif kind == "hybrid":

@@ -27,16 +27,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import z3
 
-from .events import KINDS, AddRequest, Config, Group, Process, Schedule, Trace
-from .policy import REGISTRY
+from .events import AddRequest, Config, Group, Process, Schedule, Trace
+from .policy import REGISTRY, Counts
 from .windows import live_bound as code_live_bound
 from .z3_arith import Arith, check_nonlinear, hint, prove_lemmas, zmax, zmin
 from .z3model import (
     RUN,
+    Z3_KINDS,
     Invariant,
     Params,
     PolicyNotSymbolic,
@@ -531,15 +532,111 @@ def _found(m: z3.ModelRef, kind: str, policy: str, prm: Params, ar: Arith,
     return Found(trace, prop, timeline, skeleton)
 
 
+# ========================================================== R-SWA and sink
+
+SINK_NOTE = ("sink's freeing rule is full attention's (nothing is freed before the "
+             "request ends), proved with full's model; its reserved blocks are the "
+             "pool's, which the fuzzer's content rule checks")
+
+
+def _rswa_gap(policy: str) -> tuple[z3.CheckSatResult, dict[str, int], float]:
+    """R-SWA's freeing rule (vLLM's ``RSWAManager.remove_skipped_blocks``): on
+    basis ``b = policy(counts)`` it frees the blocks wholly inside
+    ``[cdiv(P, B) * B, max(P, b - R))``. The lemma: no such block meets the
+    window ``[0, P) + [t-R+1, t]`` of any position ``t`` at or past the
+    settled count ``s = c - f - loading``, where every unprocessed step
+    computes and every rollback returns (the one-request model proves that
+    part for every kind). Returns Z3's answer to the negation and, when it
+    is ``sat``, the model's values."""
+    B, R, P, c, f, L, k, t, lg, first, last = z3.Ints(
+        "B R P c f loading spec t lg first last")
+    try:
+        b = zmax(0, REGISTRY[policy](Group("rswa", 1), Counts(c, f, L, k)))
+    except (z3.Z3Exception, TypeError) as e:
+        raise PolicyNotSymbolic(
+            f"policy {policy!r} cannot be applied to symbolic counts: {e}") from None
+    s_ = c - f - L
+    m = zmax(P, b - R)
+    x0 = lg * B
+    sol = z3.Solver()
+    sol.set("timeout", STEP_TIMEOUT_MS)
+    sol.add(B >= 1, B <= 64, R >= 1, P >= 1, f >= 0, L >= 0, k >= 0, k <= f, s_ >= 0,
+            first * B >= P, (first - 1) * B < P, last * B <= m, m < (last + 1) * B,
+            first <= lg, lg < last, t >= s_,
+            z3.Or(x0 < P, z3.And(x0 + B > t - R + 1, x0 <= t)))
+    t0 = time.perf_counter()
+    res = sol.check()
+    vals: dict[str, int] = {}
+    if res == z3.sat:
+        mod = sol.model()
+        vals = {str(v): mod.eval(v, model_completion=True).as_long()
+                for v in (B, R, P, c, f, L, k, t, lg)}
+    return res, vals, time.perf_counter() - t0
+
+
+def rswa_counterexample(policy: str, block_size: int = 4, window: int = 2) -> Trace:
+    """A run that shows an R-SWA rule freeing on the wrong count: one request
+    with a one-token prompt decoding with two drafts per step at depth 2, so a
+    step of three tokens is always ahead of the settled count; three is prime
+    to the block size, so the gap's edge sweeps every block boundary. ``kvcheck prove`` and the tests replay it on the
+    reference target under the policy."""
+    B, R = block_size, window
+    n = 3 * B + 3 * R + 6
+    cfg = Config(groups=(Group("rswa", R),), block_size=B, num_blocks=4 + -(-(n + 4) // B),
+                 max_num_batched_tokens=2 * B, max_model_len=n + 4, spec_tokens=2, depth=2,
+                 policy=policy)
+    cfg.validate()
+    evs: list = [AddRequest("r0", 1, n), Schedule(), Schedule()]
+    for _ in range(n // 3 - 2):
+        evs += [Process(), Schedule()]
+    evs += [Process(), Process()]
+    return Trace(cfg, evs, {"source": "kvcheck prove", "kind": "rswa", "policy": policy,
+                            "property": 1})
+
+
+def _prove_rswa(policy: str) -> ProofResult:
+    t0 = time.perf_counter()
+    covers = ("rswa: all B in 1..64, R>=1, P>=1, counts c, f, loading, drafts>=0 with "
+              "c-f-loading>=0, every position t at or past the settled count; the gap "
+              "lemma on vLLM's rule, over the one-request model's invariant that no "
+              "unprocessed step computes below the settled count")
+    try:
+        res, vals, secs = _rswa_gap(policy)
+    except PolicyNotSymbolic as e:
+        return ProofResult("rswa", policy, "unknown", time.perf_counter() - t0, covers, None,
+                           str(e))
+    check = StepCheck("gap lemma", "proved" if res == z3.unsat else
+                      "cti" if res == z3.sat else "unknown", secs)
+    if res == z3.unsat:
+        return ProofResult("rswa", policy, "proved", time.perf_counter() - t0, covers, None,
+                           f"gap lemma {secs:.2f}s", checks=[check])
+    if res == z3.sat:
+        v = vals
+        story = (f"{policy} on rswa: frees a block an unprocessed step still reads "
+                 f"(property 1)\n  gap lemma fails: B={v['B']} R={v['R']} P={v['P']}, "
+                 f"c={v['c']} f={v['f']}: block {v['lg']} freed while position {v['t']} "
+                 f"(>= settled {v['c'] - v['f'] - v['loading']}) reads it")
+        return ProofResult("rswa", policy, "refuted", time.perf_counter() - t0, covers,
+                           rswa_counterexample(policy), story, prop=1, checks=[check])
+    return ProofResult("rswa", policy, "unknown", time.perf_counter() - t0, covers, None,
+                       f"Z3 answered {res} on the gap lemma", checks=[check])
+
+
 # ===================================================================== proving
 
 DEFAULT_PROP2 = {("mamba-local", "sliding")}  # refute with a rejection (spec tokens)
+PROVED_KINDS = (*Z3_KINDS, "rswa", "sink")
 
 
 def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
           prop: int | None = None) -> ProofResult:
     """Prove the freeing invariant for ``kind`` under ``policy`` (or a custom
     ``rule``), or refute it with a trace."""
+    if kind == "rswa" and rule is None:
+        return _prove_rswa(policy)
+    if kind == "sink":
+        r = prove("full", policy, rule, search, prop)
+        return replace(r, kind="sink", covers=f"{SINK_NOTE}; full's proof covers: {r.covers}")
     t0 = time.perf_counter()
     lemmas = _lemma_names(kind)
     covers = covers_text(kind, lemmas)
@@ -586,11 +683,11 @@ def _default_policies() -> list[str]:
 
 def prove_all(kinds=None, policies=None) -> list[ProofResult]:
     """Every kind under every policy (default: all kinds, all registered policies)."""
-    kinds = list(kinds or KINDS)
+    kinds = list(kinds or PROVED_KINDS)
     policies = list(policies or _default_policies())
     for k in kinds:
-        if k not in KINDS:
-            raise ValueError(f"unknown kind {k!r} (known: {', '.join(KINDS)})")
+        if k not in PROVED_KINDS:
+            raise ValueError(f"unknown kind {k!r} (known: {', '.join(PROVED_KINDS)})")
     for p in policies:
         if p not in REGISTRY:
             raise ValueError(f"unknown policy {p!r} (known: {', '.join(REGISTRY)})")
@@ -862,7 +959,7 @@ def admission_bound(kind: str) -> BoundResult:
 
 
 def admission_bounds(kinds=None) -> list[BoundResult]:
-    return [admission_bound(k) for k in (kinds or KINDS)]
+    return [admission_bound(k) for k in (kinds or Z3_KINDS)]
 
 
 # ================================================================= formatting

@@ -1,85 +1,81 @@
-"""Read windows and freeing rules, as pure functions of one KV-cache group.
+"""Read windows and freeing rules of one KV-cache group, as functions.
 
-Vocabulary: position ``t`` is a token index of one request; logical block
-``i`` holds positions ``[i*B, (i+1)*B)``. ``window(g, t)`` is the inclusive
-range of positions that computing position ``t`` reads. ``skipped(g, n)`` is
-how many leading tokens a manager may drop when ``n`` tokens are computed and
-position ``n`` is the next one to compute; ``freeable(g, n, B)`` is the number
-of whole leading logical blocks that may be replaced by the NULL block.
+A thin layer over the kind classes of :mod:`model.kinds` (where the windows
+are drawn): position ``t`` is a token index of one request; logical block
+``i`` holds positions ``[i*B, (i+1)*B)``; ``prompt_len`` is the request's
+prompt length (R-SWA reads its whole prompt; the other kinds ignore it).
 
-full::
-
-    t = 9            [ 0  1  2  3  4  5  6  7  8  9 ]
-                     |------------ read -----------|      nothing skipped
-
-sliding(W=4), n = 7 computed, next position 7::
-
-    tokens           [ 0  1  2  3  4  5  6  7 ]
-                     |---- computed ----|
-                                 |--- read --|            skipped = n - W + 1 = 4
-
-chunked_local(C=8), n = 13, next position 13::
-
-    tokens           [ 0 .. 7 | 8  9 10 11 12 13 14 15 ]
-                              |------ read ----|          skipped = floor(n/C)*C = 8
-
-mamba: the recurrent state after position ``t-1`` is all that position ``t``
-reads; vLLM's Mamba manager keeps "the state of the last computed token"
-(``get_num_skipped_tokens(n) = n - 1``), so in token terms it is a window of 2::
-
-    n = 7            [ 0  1  2  3  4  5  6 | 7 ]
-                                       |-read-|           skipped = n - 1 = 6
-
-(Assumption, written down: the state for the last computed token lives in the
-logical block of that token's position; spec tokens need the states of the
-positions they follow, which this window covers.)
+* :func:`window` ``(g, t)``: the inclusive range ``(lo, t)`` ending at ``t``
+  that ``t`` reads (R-SWA reads its prompt besides: :func:`reads`);
+* :func:`reads` ``(g, t, P)``: every range ``t`` reads, half-open;
+* :func:`skipped` ``(g, n)``: leading tokens no position ``>= n`` reads;
+* :func:`freeable` ``(g, n, B)``: whole leading blocks before ``skipped(g, n)``;
+* :func:`freeable_blocks` ``(g, n, B, P)``: every block no position ``>= n``
+  reads (R-SWA's gap included);
+* :func:`read_blocks` ``(g, start, end, B, P)``: blocks a step computing
+  ``[start, end)`` reads;
+* :func:`cached_reads` ``(g, a, P)``: what a step starting at ``a`` reads
+  from the cache, the ranges below ``a``;
+* :func:`live_bound`: most live blocks per request (the admission bound).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .events import Group
+from .kinds import Ranges, cdiv
 
 
-def window(g: Group, t: int) -> tuple[int, int]:
-    """Inclusive range ``(lo, t)`` of positions read when computing position ``t``."""
-    if t < 0:
-        raise ValueError("position must be >= 0")
-    if g.kind == "full":
-        return 0, t
-    if g.kind == "sliding":
-        return max(0, t - g.param + 1), t
-    if g.kind == "chunked_local":
-        return (t // g.param) * g.param, t
-    if g.kind == "mamba":
-        return max(0, t - 1), t
-    raise ValueError(f"unknown kind {g.kind!r}")
+def window(g: Group, t: int, prompt_len: int | None = None) -> tuple[int, int]:
+    """Inclusive range ``(lo, t)`` of the positions ending at ``t`` that ``t`` reads."""
+    return g.spec.window(t, prompt_len if prompt_len is not None else t + 1)[-1][0], t
+
+
+def reads(g: Group, t: int, prompt_len: int | None = None) -> Ranges:
+    return g.spec.window(t, prompt_len)
 
 
 def skipped(g: Group, n: int) -> int:
     """Leading tokens no longer needed when ``n`` tokens are computed.
 
-    Equals ``window(g, n)[0]``: the lowest position the next token reads."""
-    if n <= 0:
-        return 0
-    return window(g, n)[0]
+    Equals ``window(g, n)[0]`` for the kinds that drop a head prefix."""
+    return g.spec.skipped(n)
 
 
 def freeable(g: Group, n: int, block_size: int) -> int:
     """Number of leading logical blocks that lie wholly before ``skipped(g, n)``."""
-    return skipped(g, n) // block_size
+    return g.spec.skipped(n) // block_size
 
 
-def read_blocks(g: Group, start: int, end: int, block_size: int) -> range:
+def freeable_blocks(g: Group, n: int, block_size: int,
+                    prompt_len: int | None = None) -> range:
+    """Logical blocks wholly outside the window of every position ``>= n``."""
+    return g.spec.freeable(n, block_size, prompt_len)
+
+
+def read_blocks(g: Group, start: int, end: int, block_size: int,
+                prompt_len: int | None = None) -> Sequence[int]:
     """Logical blocks read by computing positions ``[start, end)`` (empty if none)."""
     if end <= start:
         return range(0)
-    lo = window(g, start)[0]
-    return range(lo // block_size, (end - 1) // block_size + 1)
+    spec = g.spec
+    if prompt_len is None and g.kind != "rswa":
+        return range(spec.lo(start) // block_size, (end - 1) // block_size + 1)
+    return spec.span_blocks(start, end, block_size, prompt_len)
+
+
+def cached_reads(g: Group, a: int, prompt_len: int | None = None) -> Ranges:
+    """The positions below ``a`` that a step computing from ``a`` reads (its own
+    positions it writes first)."""
+    if a <= 0:
+        return ()
+    return tuple((x, min(y, a)) for x, y in g.spec.window(a, prompt_len) if x < a)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     """Logical blocks needed to hold ``tokens`` positions."""
-    return -(-tokens // block_size)
+    return cdiv(tokens, block_size)
 
 
 def live_bound(g: Group, block_size: int, max_model_len: int, tokens_ahead: int) -> int:
@@ -90,15 +86,7 @@ def live_bound(g: Group, block_size: int, max_model_len: int, tokens_ahead: int)
     for sliding that span is at most ``W - 1 + tokens_ahead`` tokens, for
     chunked-local ``C - 1 + tokens_ahead``, for Mamba ``1 + tokens_ahead``.
     A span of ``L`` tokens not aligned to blocks touches ``cdiv(L, B) + 1``
-    blocks at most. Never more than the full request needs.
+    blocks at most. Never more than the full request needs (full, R-SWA,
+    sink).
     """
-    full = blocks_for(max_model_len, block_size)
-    if g.kind == "full":
-        return full
-    if g.kind == "sliding" or g.kind == "chunked_local":
-        span = g.param - 1 + tokens_ahead
-    elif g.kind == "mamba":
-        span = 1 + tokens_ahead
-    else:
-        raise ValueError(f"unknown kind {g.kind!r}")
-    return min(full, blocks_for(span, block_size) + 1)
+    return g.spec.live_bound(block_size, max_model_len, tokens_ahead)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from model.events import Config, Event, FailLoad, Group
+from model.events import AddRequest, Config, Event, FailLoad, Group
 from model.observations import (
     NULL,
     AllocObs,
@@ -42,7 +42,8 @@ from model.observations import (
     ReqStep,
     StepObs,
 )
-from model.windows import freeable, live_bound, read_blocks, window
+from model.tokens import describe_key, prefix_key
+from model.windows import cached_reads, freeable_blocks, live_bound, read_blocks, reads
 
 PROPERTIES = {
     1: "freed-while-read",
@@ -62,6 +63,8 @@ WITNESSES = {
     "failed_load_in_flight": "a failed load with another step of the request in flight",
     "block_reused": "a block handed to a request after another request let it go",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
+    "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
+                    "hand them out here)",
 }
 
 
@@ -114,8 +117,10 @@ class _Req:
 
 def expected_witnesses(cfg: Config) -> set[str]:
     """The witnesses a run of this config family can reach."""
-    local = any(g.kind != "full" for g in cfg.groups)
+    local = any(g.kind not in ("full", "sink") for g in cfg.groups)
     out = {"block_reused"}
+    if any(g.spec.reserved_blocks(cfg.block_size) for g in cfg.groups):
+        out.add("pool_drained")
     if local:
         out.add("window_edge_crossing")
         out.add("window_free")
@@ -149,6 +154,19 @@ class Checker:
         # a later step writes them again or the block is handed out afresh
         self.bad: dict[int, tuple[int, int]] = {}
         self.detached: Counter[tuple[str, int, int, int]] = Counter()
+        # What every slot of a block holds: per offset, ``(key, step, rid)`` of
+        # the KV a step (or a connector load) wrote there for the token prefix
+        # ``key`` (model.tokens), or a string saying why it holds no valid KV.
+        # A block handed out afresh holds nothing; a prefix hit keeps what the
+        # block holds. Attention groups only (a Mamba block holds one state).
+        self.content: dict[int, list] = {}
+        self.prompt_len: dict[str, int] = {}
+        self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
+        # blocks a kind keeps for itself: the static sink's, holding its KV from the start
+        self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
+        for b in self.reserved:
+            self.content[b] = [(("sink", (b - 1) * self.B + o), -1, "sink")
+                               for o in range(self.B)]
         self._bound_default = tuple(
             live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
             for g in cfg.groups
@@ -160,7 +178,9 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
-        if isinstance(event, FailLoad):
+        if isinstance(event, AddRequest):
+            self.prompt_len[event.id] = event.prompt_len
+        elif isinstance(event, FailLoad):
             self.failing.add(event.id)
             k = self.fail_from.get(event.id, event.first_bad_block)
             self.fail_from[event.id] = min(k, event.first_bad_block)
@@ -237,16 +257,29 @@ class Checker:
     def _readers(self, rid: str, group: int, logical: int, block: int):
         """Unprocessed steps of ``rid`` whose possible positions read ``logical``."""
         g = self.cfg.groups[group]
+        P = self.prompt_len.get(rid)
         for pp, lo, hi in self._may_read(rid):
             table = pp.rs.tables[group] if group < len(pp.rs.tables) else ()
             if logical < len(table) and table[logical] == block:
-                blocks = read_blocks(g, lo, hi, self.B)
+                blocks = read_blocks(g, lo, hi, self.B, P)
                 if logical in blocks:
-                    # the first position whose window reaches this block
-                    for t in range(lo, hi):
-                        if window(g, t)[0] < (logical + 1) * self.B:
-                            return pp, t
+                    t = self._first_reader(g, logical, lo, hi, P)
+                    if t is not None:
+                        return pp, t
         return None
+
+    def _first_reader(self, g: Group, logical: int, lo: int, hi: int,
+                      P: int | None) -> int | None:
+        """The first position in ``[lo, hi)`` whose window reaches ``logical``."""
+        x0, x1 = logical * self.B, (logical + 1) * self.B
+        for t in range(lo, hi):
+            if any(x < x1 and y > x0 for x, y in reads(g, t, P)):
+                return t
+        return None
+
+    @staticmethod
+    def _fmt_reads(g: Group, t: int, P: int | None) -> str:
+        return " and ".join(f"[{x}, {y - 1}]" for x, y in reads(g, t, P))
 
     # ------------------------------------------------------------ items
 
@@ -267,8 +300,10 @@ class Checker:
         if prev is not None and prev != a.rid:
             self.witness["block_reused"] += 1
         self.last_owner[a.block] = a.rid
-        if not a.cached and self.bad:
-            self.bad.pop(a.block, None)
+        if not a.cached:
+            if self.bad:
+                self.bad.pop(a.block, None)
+            self.content.pop(a.block, None)
         self.holder[key] = a.block
         self.refs[a.block] = n + 1
         if n == 0:
@@ -312,24 +347,22 @@ class Checker:
 
     def _check_window_free(self, f: FreeObs, p: int) -> None:
         g = self.cfg.groups[f.group]
-        ok_below = freeable(g, p, self.B)
+        P = self.prompt_len.get(f.rid)
         hit = self._readers(f.rid, f.group, f.logical, f.block)
         if hit is not None:
             pp, t = hit
-            lo = window(g, t)[0]
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
                        f"out-of-window "
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
-                       f"[{lo}, {t}] (settled count {p}, {g.label()})",
+                       f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
                     step=pp.step, rid=f.rid, block=f.block)
-        elif f.logical >= ok_below:
-            lo = window(g, p)[0]
+        elif f.logical not in freeable_blocks(g, p, self.B, P):
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
                        f"out-of-window "
-                       f"though a rollback to the settled count {p} needs [{lo}, {p}] "
-                       f"({g.label()})", rid=f.rid, block=f.block)
+                       f"though a rollback to the settled count {p} needs "
+                       f"{self._fmt_reads(g, p, P)} ({g.label()})", rid=f.rid, block=f.block)
 
     def _check_returned(self, f: FreeObs) -> None:
         """A block went back to the pool (request-level): no unprocessed step
@@ -340,7 +373,8 @@ class Checker:
                     if gi != f.group:
                         continue
                     g = self.cfg.groups[gi]
-                    for lg in read_blocks(g, pp.start, pp.end, self.B):
+                    P = self.prompt_len.get(pp.rs.rid)
+                    for lg in read_blocks(g, pp.start, pp.end, self.B, P):
                         if lg < len(table) and table[lg] == f.block:
                             self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
                                        f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
@@ -352,6 +386,10 @@ class Checker:
     def _step(self, s: StepObs) -> None:
         if self.bad:
             self._check_bad(s)
+        for rs in s.reqs:  # every write of the step lands before any read (per layer)
+            if rs.loaded:
+                self._write(rs.rid, rs.tables, rs.start - rs.loaded, rs.start, s.step)
+            self._write(rs.rid, rs.tables, rs.start, rs.end, s.step)
         row = []
         # nothing below changes self.pending or a part's dead flag
         live_map = self._live_map()
@@ -366,8 +404,9 @@ class Checker:
                 req.loaded = (rs.start - rs.loaded, rs.start)
             pp = _Pending(s.step, rs)
             self._check_reads(pp, "scheduled")
+            P = self.prompt_len.get(rs.rid)
             for gi, g in enumerate(self.cfg.groups):
-                n = freeable(g, rs.end, self.B)
+                n = len(freeable_blocks(g, rs.end, self.B, P))
                 if n > req.last_freeable.get(gi, 0):
                     self.witness["window_edge_crossing"] += 1
                 req.last_freeable[gi] = n
@@ -396,8 +435,9 @@ class Checker:
             if hit is not None:
                 g, lg, blk, x, y = hit
                 a = rs.start
+                rd = self._fmt_reads(g, a, self.prompt_len.get(rs.rid))
                 self._v(2, f"step {s.step} (scheduled) computes {rs.rid} positions "
-                           f"[{a}, {rs.end}); position {a} reads [{window(g, a)[0]}, {a}] "
+                           f"[{a}, {rs.end}); position {a} reads {rd} "
                            f"({g.label()}) but block {blk} (logical {lg}) holds no "
                            f"valid KV for positions [{x}, {y}): a connector load into it "
                            f"failed and nothing computed them again",
@@ -410,21 +450,108 @@ class Checker:
         rid, tables = rs.rid, rs.tables
         start, end, B = pp.start, pp.end, self.B
         held = self.holder.get
+        P = self.prompt_len.get(rid)
         for gi, g in enumerate(self.cfg.groups):
             table = tables[gi] if gi < len(tables) else ()
             n = len(table)
-            for lg in read_blocks(g, start, end, B):
+            for lg in read_blocks(g, start, end, B, P):
                 blk = table[lg] if lg < n else None
                 if blk is None or blk == NULL or held((rid, gi, lg)) != blk:
-                    t = next((t for t in range(max(pp.start, lg * self.B), pp.end)
-                              if window(g, t)[0] < (lg + 1) * self.B), pp.start)
+                    t = self._first_reader(g, lg, start, end, P)
+                    t = start if t is None else t
                     what = ("no block" if blk is None else "the NULL block" if blk == NULL
                             else f"block {blk}, which {rs.rid} does not hold")
                     self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
-                               f"[{pp.start}, {pp.end}); position {t} reads [{window(g, t)[0]}, "
-                               f"{t}] ({g.label()}) but logical block {lg} maps to {what}",
+                               f"[{pp.start}, {pp.end}); position {t} reads "
+                               f"{self._fmt_reads(g, t, P)} ({g.label()}) but logical block "
+                               f"{lg} maps to {what}",
                             step=pp.step, rid=rs.rid, block=blk)
                     return
+        self._check_content(pp, when)
+
+    # ------------------------------------------------------------ KV content
+
+    def _write(self, rid: str, tables: tuple[tuple[int, ...], ...], a: int, e: int,
+               step: int, why: str | None = None) -> None:
+        """Positions ``[a, e)`` of ``rid`` written through ``tables`` by ``step``
+        (its computed positions, or a connector's load before it runs); with
+        ``why``, what they hold instead of valid KV."""
+        P = self.prompt_len.get(rid)
+        if P is None or e <= a:
+            return
+        B, content = self.B, self.content
+        for gi in self._kv_groups:
+            table = tables[gi] if gi < len(tables) else ()
+            for lg in range(a // B, min(-(-e // B), len(table))):
+                blk = table[lg]
+                if blk == NULL:
+                    continue
+                c = content.get(blk)
+                if c is None:
+                    c = content[blk] = [None] * B
+                base = lg * B
+                for q in range(max(a, base), min(e, base + B)):
+                    c[q - base] = why or (prefix_key(P, q), step, rid)
+
+    def _check_content(self, pp: _Pending, when: str) -> None:
+        """Every position a step part reads from the cache (its window below
+        its start) must hold KV some step or load wrote, before this step or in
+        it, for this request's own token prefix: not nothing (a slot no one
+        wrote since the block was handed out), not another prefix's KV (a stale
+        block), not a rejected draft's. A sink group's reserved blocks must
+        hold the sink's KV, which every step reads."""
+        rs = pp.rs
+        P = self.prompt_len.get(rs.rid)
+        a = pp.start
+        if P is None:
+            return
+        B, content = self.B, self.content
+        for gi in self._kv_groups:
+            g = self.cfg.groups[gi]
+            table = rs.tables[gi] if gi < len(rs.tables) else ()
+            for blk in g.spec.reserved_blocks(B):
+                got = content.get(blk)
+                for o in range(B):
+                    want = ("sink", (blk - 1) * B + o)
+                    x = got[o] if got is not None else None
+                    if x is None or isinstance(x, str) or x[0] != want:
+                        self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
+                                   f"[{pp.start}, {pp.end}); every position reads the sink "
+                                   f"({g.label()}, physical blocks "
+                                   f"{', '.join(map(str, g.spec.reserved_blocks(B)))}) but "
+                                   f"block {blk} holds, at sink token {want[1]}, "
+                                   f"{self._what(x, 'the', want)}",
+                                step=pp.step, rid=rs.rid, block=blk)
+                        return
+            for x0, x1 in cached_reads(g, a, P):
+                for lg in range(x0 // B, min(-(-x1 // B), len(table))):
+                    blk = table[lg]
+                    if blk == NULL:
+                        continue  # property 2's NULL check speaks for it
+                    c = content.get(blk)
+                    base = lg * B
+                    for q in range(max(x0, base), min(x1, base + B)):
+                        got = c[q - base] if c is not None else None
+                        want = prefix_key(P, q)
+                        if got is not None and not isinstance(got, str) and got[0] == want:
+                            continue
+                        self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
+                                   f"[{pp.start}, {pp.end}); position {a} reads "
+                                   f"{self._fmt_reads(g, a, P)} ({g.label()}) but block {blk} "
+                                   f"(logical {lg}) holds, at position {q}, "
+                                   f"{self._what(got, rs.rid + chr(39) + 's', want)}",
+                                step=pp.step, rid=rs.rid, block=blk)
+                        return
+
+    @staticmethod
+    def _what(got, whose: str, want) -> str:
+        """What a slot holds instead of ``want`` (``whose``: "r1's", "the")."""
+        if got is None:
+            return "no KV: nothing wrote it since the block was handed out"
+        if isinstance(got, str):
+            return got
+        return (f"KV of {describe_key(got[0])} (written by step {got[1]} for {got[2]}), "
+                f"not {whose} {describe_key(want)}")
 
     def _process(self, po: ProcessObs) -> None:
         if not self.pending:
@@ -474,8 +601,16 @@ class Checker:
             if rejected > 0:
                 if req.window_freed:
                     self.witness["rollback_near_free"] += 1
+                tables = pp.rs.tables
+                self._write(rid, tables, pp.end - rejected, pp.end, po.step,
+                            f"the KV of a draft step {po.step} computed and the output rejected")
                 for later in self._live_pending(rid):
+                    # it computes (and writes) its positions shifted down
+                    self._write(rid, later.rs.tables, later.end - rejected, later.end, later.step,
+                                f"no KV: step {later.step} was to write it but a rejection "
+                                f"shifted it down")
                     later.shift += rejected
+                    self._write(rid, later.rs.tables, later.start, later.end, later.step)
                     self._check_reads(later, f"shifted down {later.shift} by rejection")
         # A failed load hits every request holding the bad blocks (a prefix-cache
         # hit shares them), not only the one that loaded: those recompute too.
@@ -516,12 +651,13 @@ class Checker:
         (its own positions it writes first; a load lands before the kernel, so
         a part of the loading step that reads the loaded positions counts)."""
         a, B = rs.start, self.B
+        P = self.prompt_len.get(rs.rid)
         for g, table in zip(self.cfg.groups, rs.tables, strict=False):
-            wlo = window(g, a)[0]
-            for lg in range(wlo // B, min(-(-a // B), len(table))):
-                r = bad.get(table[lg])
-                if r is not None and max(r[0], wlo) < min(r[1], a):
-                    return g, lg, table[lg], max(r[0], wlo), min(r[1], a)
+            for x0, x1 in cached_reads(g, a, P):
+                for lg in range(x0 // B, min(-(-x1 // B), len(table))):
+                    r = bad.get(table[lg])
+                    if r is not None and max(r[0], x0) < min(r[1], x1):
+                        return g, lg, table[lg], max(r[0], x0), min(r[1], x1)
         return None
 
     def _detach(self, rid: str) -> None:
@@ -543,7 +679,13 @@ class Checker:
     def _counters(self, obs: Observed) -> None:
         c = obs.counters
         owned = self._owned
-        if c.free_blocks + owned + 1 != c.total_blocks:
+        if not c.free_blocks and self.reserved:
+            self.witness["pool_drained"] += 1
+        # a sink's reserved blocks are out of the pool for good (counted neither
+        # free nor owned), unless a request holds them
+        kept = sum(1 for b in self.reserved if not self.refs[b]) if self.reserved else 0
+        if c.free_blocks + owned + 1 != c.total_blocks and (
+                not kept or c.free_blocks + owned + 1 + kept != c.total_blocks):
             n = c.total_blocks - (c.free_blocks + owned + 1)
             why = (f"{n} block(s) neither free nor held by any request (a reference kept "
                    f"after the last holder let go?)" if n > 0 else
@@ -555,7 +697,8 @@ class Checker:
         # targets keep finished requests in their counters for good.
         active = [(rid, rc) for rid, rc in c.reqs.items() if rc.status != "finished"]
         if not self.pending:
-            if not active and c.free_blocks != c.total_blocks - 1:
+            if not active and c.free_blocks not in (c.total_blocks - 1,
+                                                    c.total_blocks - 1 - len(self.reserved)):
                 self._v(3, f"leak: no request is live and nothing is in flight, yet only "
                            f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
             for rid, rc in active:

@@ -66,14 +66,16 @@ class FuzzSpec:
     prefix_caching: bool | None = None
     block_size: int | None = None
     external: bool = True  # whether requests may carry connector-loaded tokens
+    aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
-    max_steps: int = 30
+    max_steps: int | None = None  # events per example; None: 30, 50 for R-SWA (long outputs)
     props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6})  # the properties enforced
 
     def key(self) -> str:
         return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
                 f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
                 + ("" if self.fail_loads else "|nofail")
+                + ("" if self.aligned_loads else "|unaligned")
                 + ("" if len(self.props) == 6 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
@@ -97,12 +99,15 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             st.integers(0, 3))
         hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
-        window = draw(st.integers(1, 4 * B))
+        # R-SWA frees only once the outputs run R tokens past the prompt: short windows
+        window = draw(st.integers(1, (1 if spec.kind == "rswa" else 4) * B))
         chunk = B * draw(st.integers(1, 4))
-        if spec.kind == "sliding":
-            groups = (Group("sliding", window),)
+        if spec.kind in ("sliding", "rswa"):
+            groups = (Group(spec.kind, window),)
         elif spec.kind == "chunked_local":
             groups = (Group("chunked_local", chunk),)
+        elif spec.kind == "sink":
+            groups = (Group("sink", B * draw(st.integers(1, 2))),)
         elif spec.kind in ("full", "mamba"):
             groups = (Group(spec.kind),)
         elif spec.kind == "hybrid":
@@ -112,7 +117,10 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             raise Unsupported(f"unknown kind {spec.kind!r}")
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
         max_len = 8 * B * 4
-        num_blocks = draw(st.integers(6, 64))
+        # small pools half the time: pool pressure is where preemption, eviction
+        # of cached blocks and their reuse happen
+        num_blocks = draw(st.one_of(st.integers(6, 16), st.integers(6, 64)))
+        num_blocks += sum(len(g.spec.reserved_blocks(B)) for g in groups)
         return Config(groups=groups, block_size=B, num_blocks=num_blocks,
                       max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                       max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
@@ -206,10 +214,15 @@ class KVMachine(RuleBasedStateMachine):
         cfg = self.cfg
         B = cfg.block_size
         prompt = data.draw(st.integers(1, 6 * B), label="prompt_len")
-        new = data.draw(st.integers(1, 2 * B), label="max_new_tokens")
+        # R-SWA's gap lies among the outputs: longer generations
+        longer = any(g.kind == "rswa" for g in cfg.groups)
+        new = data.draw(st.integers(1, (5 if longer else 2) * B), label="max_new_tokens")
         ext = 0
-        if self.spec.external and prompt > 1:
+        if self.spec.external and not self.spec.aligned_loads and prompt > 1:
             ext = data.draw(st.one_of(st.just(0), st.integers(1, prompt - 1)), label="external")
+        elif self.spec.external and prompt > B:
+            # block-granular connectors (offloading, LMCache, ...) offer whole blocks
+            ext = B * data.draw(st.integers(0, (prompt - 1) // B), label="external_blocks")
         rid = f"r{len(self.added)}"
         self.added.append(rid)
         self._apply(AddRequest(rid, prompt, new, ext))
@@ -238,7 +251,10 @@ class KVMachine(RuleBasedStateMachine):
                 if r in self.counters.reqs and self.counters.reqs[r].status == "running"
                 and sum(self.counters.reqs[r].live) > 0]
 
-    @precondition(lambda self: bool(self._holding()))
+    # vLLM's engine preempts inside schedule(), which it calls only while its
+    # batch queue has room: never with depth steps in flight
+    @precondition(lambda self: self.checker is not None
+                  and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         self._apply(Preempt(data.draw(st.sampled_from(self._holding()), label="id")))
@@ -312,7 +328,7 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         cls._hypothesis_internal_use_seed = seed
     s = settings(
         max_examples=examples,
-        stateful_step_count=spec.max_steps,
+        stateful_step_count=spec.max_steps or (50 if spec.kind == "rswa" else 30),
         deadline=None,
         database=database,
         suppress_health_check=list(HealthCheck),

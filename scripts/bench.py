@@ -796,10 +796,10 @@ def proof_pairs(st: Settings) -> tuple[list[tuple[str, str]], str]:
         return [], one_line(e)
     if not hasattr(proof, "prove_all"):
         return [], "model.proof has no prove_all()"
-    from model.events import KINDS
     from model.policy import REGISTRY
+    from model.z3model import Z3_KINDS
 
-    kinds = list(getattr(proof, "KINDS", KINDS))
+    kinds = list(Z3_KINDS)
     dp = getattr(proof, "_default_policies", None)
     pols = list(dp()) if callable(dp) else list(REGISTRY)
     every = [(k, p) for p in pols for k in kinds]

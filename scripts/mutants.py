@@ -58,6 +58,11 @@ class Mutant:
     # connector loads may fail (off elsewhere: vLLM's own failed-load findings
     # would kill every row that draws one)
     failed_loads: bool = False
+    # a slip that takes several requests to reach (a cached block evicted, handed
+    # out, then hit): fuzzed with at least this many examples, its counterexample
+    # may be up to max_events long
+    min_examples: int = 0
+    max_events: int = 10
 
 
 _ASYNC = ("--depth", "2")
@@ -165,6 +170,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prefix-cache hit on a block already in use takes no reference",
         ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({1, 2, 3})),
     Mutant(
+        "caches-before-computed", CORE + "kv_cache_manager.py",
+        "        num_tokens_to_cache = min(\n"
+        "            total_computed_tokens + num_new_tokens,\n"
+        "            request.num_tokens,\n",
+        "        num_tokens_to_cache = min(\n"
+        "            request.num_tokens,\n"
+        "            request.num_tokens,\n",
+        "a prompt's blocks are offered to the prefix cache before their chunk is computed",
+        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2})),
+    Mutant(
         "skipped-blocks-round-up", CORE + "single_type_kv_cache_manager.py",
         "        num_skipped_blocks = num_skipped_tokens // self.block_size\n"
         "        # `num_skipped_tokens` may include",
@@ -265,6 +280,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({3}),
         subject="reference"),
     Mutant(
+        "ref-reused-block-keeps-hash", REF + "block_pool.py",
+        "                del lru[b]\n                self._evict(b)\n",
+        "                del lru[b]\n",
+        "the reference pool hands out a cached block afresh without forgetting its hash",
+        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2}),
+        subject="reference", min_examples=600, max_events=16),
+    Mutant(
         "ref-failed-load-resumes-late", REF + "scheduler.py",
         "        r.computed = min(r.computed, j * B)\n",
         "        r.computed = min(r.computed, (j + 1) * B)\n",
@@ -354,7 +376,7 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     else:
         cli, target = tree / "kvcheck", "reference"
     cmd = [sys.executable, str(cli), "fuzz", "--target", target, *row.args,
-           "--examples", str(examples), "--seed", str(seed), "--quiet",
+           "--examples", str(max(examples, m.min_examples)), "--seed", str(seed), "--quiet",
            "--no-report", "--out", str(dest)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800,

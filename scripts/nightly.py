@@ -19,7 +19,7 @@ extends it, entries separated by commas::
 
 An entry is ``TARGET:KIND[:POLICY][:KEY=VALUE...]`` with keys ``depth``,
 ``spec_tokens``, ``hazard``, ``prefix_caching``, ``block_size``, ``external``,
-``failed_loads``, ``steps``; a JSON list of such objects works too. The default
+``aligned_loads``, ``failed_loads``, ``steps``; a JSON list of such objects works too. The default
 vLLM rows run with ``failed_loads=off``: they fuzz past the known failed-load
 findings (findings/README.md), which tests/test_findings.py pins.
 
@@ -64,7 +64,8 @@ sys.path.insert(0, str(ROOT))
 KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
 DEFAULT_VLLM = "vllm@0.33.0"
 KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
-         "block_size": int, "external": bool, "failed_loads": bool, "steps": int}
+         "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
+         "steps": int}
 # vLLM's default rows fuzz past its known failed-load findings (findings/README.md,
 # pinned by tests/test_findings.py); +vllm@0.33.0:full:failed_loads=on looks for more
 VLLM_DEFAULT_KNOBS = {"failed_loads": False}

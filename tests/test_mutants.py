@@ -43,7 +43,7 @@ def test_mutant_has_its_expected_outcome(m, tmp_path):
                     f"{'by property ' + str(row.expect) if row.expect else ''}, "
                     f"got {row.outcome}: {row.message}")
     if row.outcome == "killed":
-        assert row.events is not None and row.events <= 10, row
+        assert row.events is not None and row.events <= m.max_events, row
         assert Path(row.trace).is_file(), "the counterexample trace was not kept"
         assert row.message.startswith("VIOLATION property"), row.message
         if row.prop == 3:  # says which way the pool is off, not only the sums

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from model import windows
-from model.events import KINDS, Group, Process, Schedule, Trace
+from model.events import KINDS, AddRequest, Group, Process, Schedule, Trace
 from model.observations import FreeObs, ProcessObs, StepObs
 from model.policy import REGISTRY
 from model.proof import (
@@ -22,7 +22,7 @@ from model.proof import (
     prove,
     prove_all,
 )
-from model.z3model import exact_bound, policy_rule
+from model.z3model import Z3_KINDS, exact_bound, policy_rule
 
 # ------------------------------------------------------------------ helpers
 
@@ -41,6 +41,7 @@ def _freed_while_read(trace: Trace) -> list[tuple[int, FreeObs, int]]:
     tgt.reset(trace.config)
     B = trace.config.block_size
     pending: dict[int, StepObs] = {}
+    prompt = {e.id: e.prompt_len for e in trace.events if isinstance(e, AddRequest)}
     hits = []
     for i, ev in enumerate(trace.events):
         for item in tgt.apply(ev).items:
@@ -51,7 +52,8 @@ def _freed_while_read(trace: Trace) -> list[tuple[int, FreeObs, int]]:
                         if rs.rid != item.rid:
                             continue
                         table = rs.tables[item.group]
-                        read = {table[b] for b in windows.read_blocks(g, rs.start, rs.end, B)
+                        read = {table[b] for b in windows.read_blocks(g, rs.start, rs.end, B,
+                                                                      prompt[rs.rid])
                                 if b < len(table)}
                         if item.block in read:
                             hits.append((i, item, idx))
@@ -78,6 +80,12 @@ def test_settled_is_proved_for_every_kind(kind):
     assert r.status == "proved", r.detail
     assert r.trace is None and r.prop is None
     names = [c.transition for c in r.checks]
+    if kind == "rswa":  # the gap lemma, over the one-request model's invariant
+        assert names == ["gap lemma"] and r.checks[0].status == "proved"
+        assert "settled count" in r.covers
+        return
+    if kind == "sink":
+        assert "reserved blocks" in r.covers
     assert names[0] == "init" and {"schedule", "free-only", "process", "process-failed-load",
                                    "preempt", "finish", "process-discarded"} <= set(names)
     assert all(c.status == "proved" for c in r.checks)
@@ -92,6 +100,19 @@ def test_the_invariant_states_both_properties():
     prm = make_params("sliding")
     names = safety_invariant(prm, prm.arith(abstract=True)).names()
     assert {"P1-future", "P1-in-flight", "P2-future", "P2-in-flight"} <= set(names)
+
+
+@pytest.mark.parametrize("policy", ["optimistic", "mamba-local"])
+def test_rswa_on_the_optimistic_count_is_refuted_with_a_trace_the_reference_replays(policy):
+    r = prove("rswa", policy)
+    assert r.status == "refuted" and r.prop == 1, r.detail
+    assert "gap lemma fails" in r.detail
+    assert r.trace.config.groups[0].kind == "rswa" and r.trace.config.policy == policy
+    hits = _freed_while_read(Trace.from_json(r.trace.to_json()))
+    assert hits, r.trace.dumps()
+    settled = Trace.from_json({**r.trace.to_json(),
+                               "config": {**r.trace.config.to_json(), "policy": "settled"}})
+    assert not _freed_while_read(settled)
 
 
 def test_full_attention_frees_nothing_under_any_policy():
@@ -204,7 +225,8 @@ def test_prove_all_default_matrix():
     for k in KINDS:
         assert verdict[(k, "settled")] == "proved"
     assert verdict[("full", "optimistic")] == "proved"
-    for k in ("sliding", "chunked_local", "mamba"):
+    assert verdict[("sink", "optimistic")] == "proved"
+    for k in ("sliding", "chunked_local", "mamba", "rswa"):
         assert verdict[(k, "optimistic")] == "refuted"
         assert verdict[(k, "mamba-local")] == "refuted"
     assert all(r.seconds < 30 for r in rs)
@@ -244,7 +266,7 @@ def test_pre_fix_sizing_is_not_an_invariant():
 
 def test_bound_examples():
     ex = bound_examples()
-    assert {e.kind for e in ex} == set(KINDS)
+    assert {e.kind for e in ex} == set(Z3_KINDS)  # R-SWA and sink are sized as full
     for e in ex:
         g = Group(e.kind, e.param)
         assert e.pre_fix == windows.live_bound(g, e.block_size, e.max_model_len, e.budget)

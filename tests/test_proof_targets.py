@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from model.events import KINDS, AddRequest, Group, Trace
+from model.events import AddRequest, Group, Trace
 from model.proof import prove
+from model.z3model import Z3_KINDS as KINDS
 from model.z3model import eval_skipped
 from properties.replay import replay
 

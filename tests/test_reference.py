@@ -425,6 +425,20 @@ def test_preempt_event_discards_in_flight_output_and_resumes():
     assert o.items[-1].reqs[0].start == 0 and o.counters.reqs["a"].status == "running"
 
 
+def test_preempt_with_the_batch_queue_full_waits_for_the_next_output():
+    """vLLM's engine preempts inside schedule(), which it calls only while its
+    batch queue has room: with depth steps in flight the preemption comes
+    right after the oldest output."""
+    cfg = config_for("sliding", window=8, block_size=4, depth=2, policy="settled",
+                     max_num_batched_tokens=8)
+    t, obs = run(cfg, [AddRequest("a", 20, 4), Schedule(), Schedule(), Preempt("a")])
+    assert obs[-1].items == [] and obs[-1].counters.reqs["a"].status == "running"
+    o = t.apply(Process())
+    assert isinstance(o.items[0], ProcessObs) and o.items[0].discarded == ()
+    assert {f.reason for f in items([o], FreeObs)} == {"preempt"}
+    assert o.counters.reqs["a"].status == "preempted"
+
+
 def test_failed_load_recomputes_from_the_first_bad_block():
     """Into the blocks the request holds, as vLLM does: nothing is let go."""
     cfg = config_for("full", block_size=16, depth=2, policy="settled",

@@ -135,20 +135,54 @@ def test_failed_load_recomputes_from_the_bad_block():
 def test_preempt_frees_everything_and_resumes_after_stale_output():
     cfg = config_for("sliding", window=16, block_size=16, depth=2,
                      max_num_batched_tokens=128)
-    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), Schedule(), Schedule(), Preempt("r0")])
+    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), Schedule(), Preempt("r0")])
     table = step_of(obs[1]).reqs[0].tables[0]
-    freed = items(obs[3], FreeObs)
+    freed = items(obs[2], FreeObs)
     assert sorted(f.block for f in freed) == sorted(b for b in table if b != NULL)
     assert {f.reason for f in freed} == {"preempt"}
-    rc = obs[3].counters.reqs["r0"]
+    rc = obs[2].counters.reqs["r0"]
     assert (rc.computed, rc.status, rc.live) == (0, "preempted", (0,))
-    assert rc.in_flight == 41  # vLLM keeps counting the stale in-flight steps
+    assert rc.in_flight == 40  # vLLM keeps counting the stale in-flight step
     t = target(FIXED)
-    t.apply(Process())
     assert not items(t.apply(Schedule()), StepObs)  # waits for the stale output
     t.apply(Process())
     resumed = step_of(t.apply(Schedule())).reqs[0]
     assert resumed.start == 0 and resumed.end >= 40
+
+
+@pytest.mark.parametrize("version", [BUGGY, FIXED])
+def test_preempt_with_the_batch_queue_full_waits_for_the_next_output(version):
+    """vLLM preempts inside schedule(), which its engine calls only while the
+    batch queue has room: a Preempt with depth steps in flight is held until
+    the oldest output is processed, and applied right after it."""
+    cfg = config_for("sliding", window=16, block_size=16, depth=2,
+                     max_num_batched_tokens=32)
+    obs = run(version, cfg, [AddRequest("r0", 40, 8), Schedule(), Schedule(), Preempt("r0")])
+    assert obs[3].items == []
+    assert obs[3].counters.reqs["r0"].status == "running"
+    done = target(version).apply(Process())
+    kinds = [type(it).__name__ for it in done.items]
+    assert kinds[0] == "ProcessObs" and "FreeObs" in kinds
+    assert {f.reason for f in items(done, FreeObs)} == {"preempt"}
+    assert done.counters.reqs["r0"].status == "preempted"
+
+
+def test_blocks_in_the_deferred_free_queue_belong_to_no_live_request():
+    """With a KV consumer at depth 2 a preempted request's blocks wait in vLLM's
+    deferred-free queue; 0.25.1 re-admits it at once with new blocks. Its live
+    count is the new table only (the old blocks are nobody's)."""
+    cfg = config_for("hybrid", window=1, block_size=4, num_blocks=20, depth=2,
+                     hazard="unordered", max_num_batched_tokens=16, max_model_len=128)
+    obs = run(BUGGY, cfg, [AddRequest("r0", 9, 4), Schedule(), Preempt("r0"), Schedule()])
+    assert not items(obs[2], FreeObs)  # deferred behind step 0
+    assert obs[2].counters.reqs["r0"].live == (0, 0)
+    again = step_of(obs[3]).reqs[0]
+    assert again.start == 0
+    assert obs[3].counters.reqs["r0"].live == tuple(
+        sum(b != NULL for b in tab) for tab in again.tables)
+    done = target(BUGGY).apply(Process())
+    assert {f.reason for f in items(done, FreeObs)} == {"preempt"}
+    assert done.counters.reqs["r0"].live == obs[3].counters.reqs["r0"].live
 
 
 @pytest.mark.parametrize("hazard", ["ordered", "unordered"])
@@ -170,7 +204,7 @@ def test_finish_and_abort_free_all_blocks(hazard):
     if hazard == "unordered":
         # a KV-consumer connector: vLLM defers the frees until the step is processed
         assert not items(obs[3], FreeObs) and not items(obs[4], FreeObs)
-        assert obs[4].counters.reqs["r0"].live == (len(tables["r0"]),)
+        assert obs[4].counters.reqs["r0"].live == (0,)  # waiting in the queue: nobody's
     else:
         assert items(obs[3], FreeObs) and items(obs[4], FreeObs)
     assert done.counters.free_blocks == cfg.num_blocks - 1

@@ -18,8 +18,9 @@ import pytest
 import z3
 
 from model import windows
-from model.events import KINDS, Group
+from model.events import Group
 from model.z3_arith import LEMMAS, Arith, prove_lemmas
+from model.z3model import Z3_KINDS as KINDS
 from model.z3model import (
     eval_freeable,
     eval_live_bound,

@@ -21,8 +21,8 @@ insertion-ordered dict (O(1) removal on a cache hit) for the tail part.
 
 Prefix caching: a full block is keyed by ``(group, hash of the request's
 tokens up to and including that block)``. Every request's prompt is the same
-token stream (:func:`prompt_token`) and every generated token is
-:data:`OUTPUT_TOKEN` (what the vLLM target samples), so two requests share
+token stream (:func:`model.tokens.prompt_token`) and every generated token is
+:data:`model.tokens.OUTPUT_TOKEN` (what the vLLM target samples), so two requests share
 their prompts' common block-aligned prefix, and a block holding generated
 tokens is hit by a request with the same prompt length and outputs (a
 preempted request resuming, above all).
@@ -32,18 +32,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from model.tokens import OUTPUT_TOKEN, prompt_token
+
 NULL = 0
 
-
-def prompt_token(t: int) -> int:
-    """The prompt token at position ``t``: the same for every request.
-
-    SEMANTICS.md: prompt tokens are a fixed stream, so prefix caching can hit
-    across requests; generated tokens are arbitrary and never hashed."""
-    return (t * 7919 + 17) % 32000
-
-
-OUTPUT_TOKEN = 7  # every generated token (the vLLM target samples the same)
 
 _HASH_CHAINS: dict[int, list[int]] = {}
 _REQUEST_CHAINS: dict[tuple[int, int], list[int]] = {}
@@ -88,16 +80,20 @@ class BlockPool:
     A block is *free* iff it is in the free queue iff ``ref[b] == 0``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 reserved: list[int] | tuple[int, ...] = ()) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref = [0] * num_blocks
+        # blocks a kind keeps for itself (the static sink's): never free, never handed out
+        self.reserved = tuple(reserved)
         # block -> its prefix-cache key (group, hash), or None
         self.key: list[tuple[int, int] | None] = [None] * num_blocks
         # key -> blocks cached under it (vLLM does not de-duplicate: two requests
         # that computed the same block both cache it), first one is returned
         self.cached: dict[tuple[int, int], dict[int, None]] = {}
-        self._head: deque[int] = deque(range(1, num_blocks))  # unhashed, LIFO
+        self._head: deque[int] = deque(b for b in range(1, num_blocks)
+                                       if b not in self.reserved)  # unhashed, LIFO
         self._lru: dict[int, None] = {}  # hashed, least recently used first
 
     @property

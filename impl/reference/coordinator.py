@@ -34,6 +34,9 @@ class Coordinator:
         ]
         self.num_hashes = config.max_model_len // self.B + 1
         self.live: dict[str, list[int]] = {}
+        self.prompt_len: dict[str, int] = {}  # rid -> prompt length, for every group
+        for m in self.managers:
+            m.prompt_len = self.prompt_len
         # Admission reserves for the settled basis: every step in flight may
         # hold a full token budget beyond the count a group frees on.
         ahead = config.depth * config.max_num_batched_tokens

@@ -46,6 +46,8 @@ class SingleTypeManager:
         self.tables: dict[str, list[int]] = {}
         # leading slots already offered to the prefix cache (vLLM's num_cached_block)
         self.num_cached: dict[str, int] = {}
+        # rid -> prompt length (the coordinator's dict, shared by every group)
+        self.prompt_len: dict[str, int] = {}
 
     # --------------------------------------------------------- kind-specific
 
@@ -177,10 +179,13 @@ class SingleTypeManager:
         (not NULL): ``n`` is a safe point to recompute from."""
         table = self.tables.get(rid, [])
         hi = n // self.B
-        lo = self.get_num_skipped_tokens(n) // self.B
         if hi > len(table):
             return False
-        return all(table[i] != NULL for i in range(lo, hi))
+        return all(table[i] != NULL for i in self.read_slots(rid, n))
+
+    def read_slots(self, rid: str, n: int) -> range:
+        """Slots below ``n // B`` that position ``n`` reads."""
+        return range(self.get_num_skipped_tokens(n) // self.B, n // self.B)
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -201,6 +206,52 @@ class FullAttentionManager(SingleTypeManager):
                 break
             out.append(b)
         return out, len(out) * self.B
+
+
+class RSWAManager(FullAttentionManager):
+    """rswa(R): position ``t`` reads the prompt ``[0, P)`` and ``[t-R+1, t]``
+    (model/kinds.py draws it). As vLLM's ``RSWAManager``, frees the gap::
+
+        slots wholly inside [cdiv(P, B) * B, max(P, n - R))   (n: the basis)
+
+    one token short of what the window allows. Nothing before the prompt's
+    end is skipped, so admission and prefix hits are full attention's."""
+
+    def __init__(self, group: Group, gid: int, pool: BlockPool, block_size: int,
+                 spec_tokens: int = 0) -> None:
+        super().__init__(group, gid, pool, block_size)
+        self.window = group.param
+
+    def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:
+        table = self.tables.get(rid)
+        P = self.prompt_len.get(rid)
+        if not table or P is None:
+            return []
+        first = cdiv(P, self.B)
+        last = min(max(P, basis - self.window) // self.B, len(table))
+        freed: list[Change] = []
+        for i in range(last - 1, first - 1, -1):  # backward, to the last call's NULLs
+            b = table[i]
+            if b == NULL:
+                break
+            freed.append((i, b))
+            table[i] = NULL
+        if freed:
+            self.pool.free_blocks([b for _, b in freed])
+        return freed
+
+    def read_slots(self, rid: str, n: int) -> list[int]:
+        P = self.prompt_len[rid]
+        below = n // self.B
+        return [i for i in self.group.spec.span_blocks(n, n + 1, self.B, P) if i < below]
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """sink(S): full attention behind ``S`` static sink tokens whose KV lives in
+    physical blocks ``1 .. S/B``, read by every step (model/kinds.py). The
+    block pool keeps those blocks out of its free queue for good (vLLM 0.25-0.26:
+    ``free_block_queue.popleft_n`` in the manager's constructor); the tables
+    are full attention's."""
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -352,6 +403,8 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
     "sliding": SlidingWindowManager,
     "chunked_local": ChunkedLocalManager,
     "mamba": MambaManager,
+    "rswa": RSWAManager,
+    "sink": SinkFullAttentionManager,
 }
 
 

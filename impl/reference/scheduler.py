@@ -40,9 +40,10 @@ admitted only if its whole known sequence fits (each window kind capped as
 vLLM caps it), and a new one-token decode is padded to ``1 + spec_tokens``
 when no prefill shares the step (vLLM 0.33's uniform decode batch).
 
-Synchronous scheduling (depth 1) runs one step at a time: a Finish, Abort or
-Preempt that arrives while it runs is held until its output (vLLM's engine
-never ends or preempts a request mid-step; see ``hold``).
+A Preempt that arrives while ``depth`` steps are in flight is held until the
+next output (vLLM preempts only inside ``schedule()``, which its engine calls
+only while the batch queue has room); at depth 1 a Finish or Abort arriving
+while the step runs is held likewise (see ``hold``).
 
 Request-level frees (finish, abort, preempt, failed load) under
 ``hazard = unordered`` (a KV-consumer connector may write a block as soon as
@@ -60,7 +61,7 @@ from collections import deque
 from model.events import Config
 from model.observations import NULL, FinishObs, Item, ProcessObs, ReqCounters, ReqStep, StepObs
 from model.policy import Counts, basis
-from model.windows import live_bound, window
+from model.windows import cached_reads, live_bound
 
 from .block_pool import BlockPool
 from .coordinator import Coordinator, Held
@@ -134,7 +135,8 @@ class Scheduler:
         self.B = config.block_size
         self.groups = config.groups
         self.sink: list[Item] = []
-        self.pool = BlockPool(config.num_blocks, config.prefix_caching)
+        reserved = [b for g in config.groups for b in g.spec.reserved_blocks(config.block_size)]
+        self.pool = BlockPool(config.num_blocks, config.prefix_caching, reserved)
         self.coord = Coordinator(config, self.pool, self.sink)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # admission order; the last one is preempted first
@@ -145,7 +147,8 @@ class Scheduler:
         self.iteration = 0  # schedule() calls, those that scheduled nothing included
         self.deferred: list[tuple[int, str, list[Held], str]] = []  # (fence step, rid, blocks, why)
         self.just_finished: list[Request] = []  # for the counters snapshot
-        self.held: list[tuple[str, str]] = []  # depth 1: (finish | abort | preempt, rid)
+        # (finish | abort | preempt, rid) held for the next Process (see ``hold``)
+        self.held: list[tuple[str, str]] = []
         self.defer_request_frees = config.hazard == "unordered"
         self.no_hits: list[list[int]] = [[] for _ in config.groups]
         # What the pool is sized for: the settled basis keeps at most
@@ -162,6 +165,7 @@ class Scheduler:
 
     def add_request(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
         r = Request(rid, prompt_len, max_new, external)
+        self.coord.prompt_len[rid] = prompt_len
         self.requests[rid] = r
         self.waiting.append(r)
 
@@ -318,12 +322,15 @@ class Scheduler:
             self._drain_deferred()
 
     def hold(self, why: str, rid: str) -> bool:
-        """Synchronous scheduling (depth 1): vLLM's engine never ends or
-        preempts a request while its one step runs. An abort or a stop that
-        arrives meanwhile is applied after the step ran, right before its
-        output is processed (the engine's aborts queue): the output is
-        dropped; a preemption happens in the next ``schedule()``, after that
-        output. Returns whether the event was held for the next Process.
+        """vLLM's engine preempts only inside ``schedule()`` (or a utility call
+        between engine steps), which it calls only while its batch queue has
+        room: with ``depth`` steps in flight it first waits for the oldest
+        output. A preemption that arrives then happens after that output.
+        Synchronous scheduling (depth 1) also never ends a request while its
+        one step runs: an abort or a stop that arrives meanwhile is applied
+        after the step ran, right before its output is processed (the
+        engine's aborts queue), and the output is dropped. Returns whether
+        the event was held for the next Process.
 
         A held end skips a connector's out-of-window free on the finish path:
         on the settled count it frees nothing there (the count is the one the
@@ -331,7 +338,8 @@ class Scheduler:
         other count it would free, labelled ``window``, blocks that go back
         at the same moment anyway; so every policy behaves the same at depth 1
         (vLLM 0.25.1 does label them ``window``)."""
-        if self.cfg.depth == 1 and self.steps:
+        full = len(self.steps) >= self.cfg.depth
+        if full and (why == "preempt" or self.cfg.depth == 1):
             self.held.append((why, rid))
             return True
         return False
@@ -552,10 +560,11 @@ class Scheduler:
         """Whether a step entry read one of ``blocks`` from the cache (the window
         of its first position, below it)."""
         B, a = self.B, e.start - e.shift
+        P = self.requests[e.rid].prompt_len
         for g, table in zip(self.groups, e.tables, strict=False):
-            lo = window(g, a)[0] if a > 0 else 0
-            if any(b in blocks for b in table[lo // B:-(-a // B)]):
-                return True
+            for x, y in cached_reads(g, a, P):
+                if any(b in blocks for b in table[x // B:-(-y // B)]):
+                    return True
         return False
 
     def _spread_failures(self, fails: dict[str, int],

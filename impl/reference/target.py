@@ -32,8 +32,9 @@ class ReferenceTarget:
             "every registered policy, by name, as the freeing basis of every group",
             "hazard=unordered defers request-level frees, while the request has a "
             "step in flight, until every step scheduled by then is processed",
-            "depth 1: Finish, Abort and Preempt arriving while the step runs are "
-            "held until its output is processed",
+            "a Preempt arriving with depth steps in flight (the engine's batch queue "
+            "full), and at depth 1 a Finish or Abort arriving while the step runs, "
+            "are held until the next output is processed",
             "a failed load recomputes from the first bad block into the blocks held, "
             "or from further back where that position's window reaches NULL slots",
         ),

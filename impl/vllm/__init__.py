@@ -61,17 +61,19 @@ How an event runs
   ``ModelRunnerOutput`` sampling ``1 + a`` tokens (token 7) for each request
   the step samples for (none for a partial prefill chunk), ``a`` = accepted.
 * Preempt: vLLM's ``_preempt_request`` entered as ``schedule()`` enters it
-  under pool pressure (removed from ``running`` first).
+  under pool pressure (removed from ``running`` first), at a point where the
+  engine may call ``schedule()``: its batch queue has room (fewer than
+  ``depth`` steps in flight). One arriving with the queue full is held until
+  the next Process and applied after it.
 * FailLoad: reported with that step's output as ``invalid_block_ids``: the
   physical blocks (group 0) from logical ``k`` to the end of the loaded range
   as the loading step was scheduled with them (what a worker-side connector
   knows); vLLM's recovery does the rest.
 * Finish / Abort: ``finish_requests(id, FINISHED_STOPPED / FINISHED_ABORTED)``.
-  At depth 1 vLLM's engine never ends or preempts a request while its step
-  runs: a Finish / Abort / Preempt arriving then is held and applied at the
-  next Process, Finish / Abort after the step ran and before its output is
-  processed (the engine's abort queue), Preempt after (vLLM preempts inside
-  the next ``schedule()``). The event's own Observed is then empty.
+  At depth 1 vLLM's engine never ends a request while its step runs: a
+  Finish / Abort arriving then is held and applied at the next Process,
+  after the step ran and before its output is processed (the engine's abort
+  queue). The held event's own Observed is empty.
 
 Observations
 ------------
@@ -91,8 +93,9 @@ Where vLLM differs from docs/SEMANTICS.md (measured on 0.25.1, 0.26.0, 0.33.0)
 1. Deferred request-level frees (hazard ``unordered``, depth >= 2): the blocks
    leave the request's table at the preempt / finish / abort but reach the
    pool only when the latest step scheduled by then is processed. FreeObs
-   comes then (in that Process); until then the blocks count in the request's
-   ``live``. A preempted request re-admitted before that (0.25.1 and 0.26.0 at
+   comes then (in that Process); the blocks leave the request's ``live`` at
+   once (a block in the deferred-free queue belongs to no live request). A
+   preempted request re-admitted before that (0.25.1 and 0.26.0 at
    once, 0.33 once its stale output is processed) is handed new blocks at the
    same logical slots while the old ones are still on their way to the pool.
 2. Preemption does not discard in-flight outputs. 0.25.1 / 0.26.0 append the
@@ -194,8 +197,21 @@ class _Install:
 def resolve(spec: str) -> _Install:
     """``0.33.0`` -> the release installed in .vllm/0.33.0; a path -> that vLLM
     source checkout (its ``vllm/`` tree first on sys.path, over the installed
-    release of the same line, else the newest installed one, for metadata)."""
+    release of the same line, else the newest installed one, for metadata);
+    ``0.33.0+FIX.diff`` -> the release with that diff applied
+    (:mod:`impl.vllm.overlay`), run as a checkout."""
     spec = spec.strip()
+    release, plus, patch = spec.partition("+")
+    if plus and compat.parse_release(release) is not None:
+        from .overlay import overlay_tree
+
+        problem = compat.release_problem(release)
+        if problem:
+            raise TargetError(problem)
+        tree = overlay_tree(release, Path(patch).expanduser())
+        inst = resolve(str(tree))
+        inst.label = f"{release}+{Path(patch).name}"
+        return inst
     if compat.parse_release(spec) is not None:
         problem = compat.release_problem(spec)
         if problem:

@@ -19,7 +19,7 @@ core does, and reads what happened off the real objects:
   -> ``finish`` / ``abort`` (stopped or length-capped -> finish), a failed
   async load's release -> ``failed_load``. A free is reported when the block
   reaches the pool, so a deferred free appears at the Process that drains it;
-  until then the block still counts as live for its request;
+  the block leaves the request's live count when it is popped;
 * counters: ``num_computed_tokens``, ``num_in_flight_tokens`` (None before
   0.26.0), request status.
 
@@ -59,21 +59,12 @@ from model.observations import (
     ReqStep,
     StepObs,
 )
+from model.tokens import DRAFT_TOKEN, OUTPUT_TOKEN, prompt_token
 
 from . import compat
 
 MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
 MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
-
-OUTPUT_TOKEN = 7  # every sampled token (EOS is ignored; only max_tokens stops)
-DRAFT_TOKEN = 9  # drafts proposed at depth 1 (async: vLLM's -1 placeholders)
-
-
-def prompt_token(t: int) -> int:
-    """Prompt token at position ``t``: the same stream for every request (and
-    the same as the reference target's), so prefix caching hits across requests."""
-    return (t * 7919 + 17) % 32000
-
 
 class ConfigUnsupported(Exception):
     """The config cannot run on this vLLM (one line)."""
@@ -245,6 +236,14 @@ class Driver:
             return kvi.SlidingWindowSpec(**common, sliding_window=param)
         if kind == "chunked_local":
             return kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=param)
+        if kind == "rswa":
+            if not hasattr(kvi, "RSWASpec"):
+                raise ConfigUnsupported(f"vllm {self.version} has no R-SWA (RSWASpec)")
+            return kvi.RSWASpec(**common, rswa_window=param)
+        if kind == "sink":
+            if not hasattr(kvi, "SinkFullAttentionSpec"):
+                raise ConfigUnsupported(f"vllm {self.version} has no static sink attention")
+            return kvi.SinkFullAttentionSpec(**common, sink_len=param)
         if kind == "mamba":
             # One state slot per B tokens, kept for the last computed token
             # ("none" cache mode); a real model sets num_speculative_blocks
@@ -286,6 +285,11 @@ class Driver:
             sched = cls(vllm_config=vc, kv_cache_config=kvc,
                         structured_output_manager=self.StructuredOutputManager(vc),
                         **compat.scheduler_kwargs(cls, cfg.block_size))
+        except _BROKEN:
+            # vLLM's own code cannot build a layout its model code produces (a
+            # manager's signature out of step with its caller): a target crash,
+            # exit 3 with the config and the traceback, not a refusal
+            raise
         except Exception as e:  # noqa: BLE001 - vLLM refuses the layout
             raise ConfigUnsupported(f"vllm {self.version} cannot build this KV-cache layout: "
                                     f"{_one_line(e)}") from None
@@ -325,7 +329,7 @@ class Driver:
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
         self.settled: dict[str, ReqCounters] = {}
-        self.queued: list[Any] = []  # depth 1: Finish/Abort/Preempt held for the engine
+        self.queued: list[Any] = []  # events held for the next Process (_hold_for_engine)
         self.arrival = 0
         self._instrument()
         return Observed(items=[], counters=self._counters())
@@ -450,6 +454,9 @@ class Driver:
                         f"kvcheck cannot name or at a slot it did not see")
                 slot = tab.index(pid)
                 tab[slot] = NULL
+                # out of the request now, whenever it reaches the pool (a block
+                # in vLLM's deferred-free queue belongs to no live request)
+                self.live[request_id][g] -= 1
                 self.owed.setdefault(id(b), []).append((g, request_id, slot, why))
             tabs[g] = []
             return blocks
@@ -488,7 +495,6 @@ class Driver:
             g, rid, slot, why = owed.pop(0)
             if not owed:
                 del self.owed[id(b)]
-            self.live[rid][g] -= 1
             self.items.append(FreeObs(self._pid(b), g, rid, slot, why))
             return
         raise InstrumentationError(
@@ -687,12 +693,15 @@ class Driver:
                     bad.add(self._vid(tab[slot]))
         return bad
 
-    def _hold_for_sync_engine(self, ev: Any) -> bool:
-        """Synchronous scheduling (depth 1): vLLM's engine never ends or preempts
-        a request while its one step runs. It takes an abort / stop that arrives
-        then after the step has run, right before processing its output; it
-        preempts only inside ``schedule()``. So hold the event until that Process."""
-        if self.cfg.depth == 1 and self.pending:
+    def _hold_for_engine(self, ev: Any) -> bool:
+        """vLLM's engine preempts only inside ``schedule()``, which it calls only
+        while its batch queue has room (``EngineCore.step_with_batch_queue``):
+        with ``depth`` steps in flight it first waits for the oldest output. At
+        depth 1 it also never ends a request while its one step runs: it takes
+        an abort / stop that arrives then after the step has run, right before
+        processing its output. So hold such an event until that Process."""
+        full = len(self.pending) >= self.cfg.depth
+        if full and (type(ev) is Preempt or self.cfg.depth == 1):
             r = self.sched.requests.get(ev.id)
             if r is None or r.is_finished():
                 raise EventRejected(f"request {ev.id} is not live")
@@ -701,7 +710,7 @@ class Driver:
         return False
 
     def _preempt(self, ev: Preempt) -> None:
-        if self._hold_for_sync_engine(ev):
+        if self._hold_for_engine(ev):
             return
         r = self.sched.requests.get(ev.id)
         if r is None or r.status != self.RS.RUNNING or r not in self.sched.running:
@@ -724,7 +733,7 @@ class Driver:
                             f"{ev.first_bad_block}")
 
     def _finish(self, ev: Finish | Abort) -> None:
-        if self._hold_for_sync_engine(ev):
+        if self._hold_for_engine(ev):
             return
         r = self.sched.requests.get(ev.id)
         if r is None or r.is_finished():
@@ -761,6 +770,7 @@ class Driver:
 
 
 _block_id = attrgetter("block_id")
+_BROKEN = (TypeError, AttributeError, NameError)  # bugs, where a refusal is a ValueError
 
 
 def _one_line(e: BaseException) -> str:

@@ -142,7 +142,8 @@ def _run(row: dict, seconds: float, db_path: str, reports: Path, out: dict) -> N
                     depth=k.get("depth"), spec_tokens=k.get("spec_tokens"),
                     hazard=k.get("hazard"), prefix_caching=k.get("prefix_caching"),
                     block_size=k.get("block_size"), external=k.get("external", True),
-                    fail_loads=k.get("failed_loads", True), max_steps=k.get("steps", 30))
+                    aligned_loads=k.get("aligned_loads", True),
+                    fail_loads=k.get("failed_loads", True), max_steps=k.get("steps"))
     target = make_target(row["target"])
     caps = target.capabilities
     if spec.kind not in caps.kinds:

@@ -1,0 +1,270 @@
+"""Attention kinds: one small class each, as vLLM writes one manager per kind.
+
+A kind answers, for one KV-cache group and one request whose prompt has
+``P`` tokens (``P`` matters to ``rswa`` only):
+
+* :meth:`Kind.window`: the positions that computing position ``t`` reads, as
+  half-open ranges (every kind reads one contiguous range ending at ``t``,
+  R-SWA two: its prompt and its recent tokens);
+* :meth:`Kind.span`: what a step computing ``[a, e)`` reads, the union of
+  those windows;
+* :meth:`Kind.freeable`: the logical blocks no position ``>= n`` reads, which
+  a manager may replace by NULL once ``n`` tokens are settled;
+* :meth:`Kind.live_span`: how many tokens' blocks a request keeps when the
+  manager runs ``ahead`` tokens past the count it frees on (None: all);
+* :meth:`Kind.reserved_blocks`: physical blocks the kind keeps for itself
+  (the static sink's KV), read by every step of every request.
+
+``KINDS`` maps each name to its class; ``model.events.Group`` names a kind
+and its parameter, and ``Group.spec`` is the kind object. The reference
+manager (impl/reference/managers.py), the vLLM spec builder
+(impl/vllm/driver.py) and the Z3 terms (model/z3model.py) have one entry per
+kind each.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Kind:
+    name: ClassVar[str]
+    param_name: ClassVar[str] = ""  # what the parameter is called ("" for none)
+    vllm_manager: ClassVar[str]  # the vLLM manager class it models
+
+    def __init__(self, param: int = 0) -> None:
+        self.param = param
+
+    def label(self) -> str:
+        return f"{self.name}({self.param_name[0].upper()}={self.param})" if self.param_name \
+            else self.name
+
+    def problem(self, block_size: int) -> str | None:
+        """Why this kind cannot run with ``block_size`` (None: it can)."""
+        if self.param_name and self.param < 1:
+            return f"{self.name} needs a positive {self.param_name}, got {self.param}"
+        return None
+
+    # ------------------------------------------------------------- reading
+
+    def lo(self, t: int) -> int:
+        """The lowest position of the range ending at ``t`` that ``t`` reads."""
+        raise NotImplementedError
+
+    def window(self, t: int, prompt_len: int | None = None) -> Ranges:
+        if t < 0:
+            raise ValueError("position must be >= 0")
+        return ((self.lo(t), t + 1),)
+
+    def span(self, a: int, e: int, prompt_len: int | None = None) -> Ranges:
+        """Positions a step computing ``[a, e)`` reads (``e > a``): the windows
+        move right with ``t``, so it is ``window(a)`` stretched to ``e``."""
+        w = self.window(a, prompt_len)
+        return (*w[:-1], (w[-1][0], e))
+
+    def span_blocks(self, a: int, e: int, block_size: int,
+                    prompt_len: int | None = None) -> list[int]:
+        """Logical blocks a step computing ``[a, e)`` reads (empty if none)."""
+        if e <= a:
+            return []
+        out: list[int] = []
+        for x, y in self.span(a, e, prompt_len):
+            first, last = x // block_size, (y - 1) // block_size
+            out.extend(range(max(first, out[-1] + 1 if out else first), last + 1))
+        return out
+
+    # ------------------------------------------------------------- freeing
+
+    def skipped(self, n: int) -> int:
+        """Leading tokens no position ``>= n`` reads (vLLM's
+        ``get_num_skipped_tokens``); kinds that free a middle range say 0."""
+        return self.lo(n) if n > 0 else 0
+
+    def freeable(self, n: int, block_size: int, prompt_len: int | None = None) -> range:
+        """Logical blocks wholly outside the window of every position ``>= n``."""
+        return range(self.skipped(n) // block_size)
+
+    def live_span(self, ahead: int) -> int | None:
+        """Tokens whose blocks stay live when the manager frees on a count
+        ``ahead`` tokens behind the newest scheduled one (None: every token)."""
+        return None
+
+    def live_bound(self, block_size: int, max_model_len: int, ahead: int) -> int:
+        """Most live blocks one request holds: a span of ``L`` tokens not
+        aligned to blocks touches ``cdiv(L, B) + 1`` blocks at most; never more
+        than the whole request needs."""
+        full = cdiv(max_model_len, block_size)
+        span = self.live_span(ahead)
+        return full if span is None else min(full, cdiv(span, block_size) + 1)
+
+    def reserved_blocks(self, block_size: int) -> range:
+        """Physical blocks the kind holds for itself for the pool's lifetime."""
+        return range(0)
+
+
+class Full(Kind):
+    """full: every position reads all earlier ones; nothing is ever skipped::
+
+        t = 9            [ 0  1  2  3  4  5  6  7  8  9 ]
+                         |------------ read -----------|
+    """
+
+    name = "full"
+    vllm_manager = "FullAttentionManager"
+
+    def lo(self, t: int) -> int:
+        return 0
+
+
+class Sliding(Kind):
+    """sliding(W): position ``t`` reads ``[t-W+1, t]``. W = 4, n = 7 computed::
+
+        tokens           [ 0  1  2  3  4  5  6  7 ]
+                         |---- computed ----|
+                                     |--- read --|        skipped = n - W + 1 = 4
+    """
+
+    name = "sliding"
+    param_name = "window"
+    vllm_manager = "SlidingWindowManager"
+
+    def lo(self, t: int) -> int:
+        return max(0, t - self.param + 1)
+
+    def live_span(self, ahead: int) -> int | None:
+        return self.param - 1 + ahead
+
+
+class ChunkedLocal(Kind):
+    """chunked_local(C): position ``t`` reads ``[floor(t/C)*C, t]``. C = 8, n = 13::
+
+        tokens           [ 0 .. 7 | 8  9 10 11 12 13 14 15 ]
+                                  |------ read ----|      skipped = floor(n/C)*C = 8
+    """
+
+    name = "chunked_local"
+    param_name = "chunk"
+    vllm_manager = "ChunkedLocalAttentionManager"
+
+    def problem(self, block_size: int) -> str | None:
+        if self.param < 1:
+            return f"chunked_local needs a positive chunk, got {self.param}"
+        if self.param % block_size:
+            return f"chunk {self.param} must be a multiple of the block size {block_size}"
+        return None
+
+    def lo(self, t: int) -> int:
+        return (t // self.param) * self.param
+
+    def live_span(self, ahead: int) -> int | None:
+        return self.param - 1 + ahead
+
+
+class Mamba(Kind):
+    """mamba: the recurrent state after position ``t-1`` is all that ``t`` reads;
+    vLLM keeps "the state of the last computed token" (``skipped(n) = n - 1``),
+    so in token terms a window of 2. The state after ``t`` lives in the slot
+    of ``t`` (an assumption, written down)::
+
+        n = 7            [ 0  1  2  3  4  5  6 | 7 ]
+                                           |-read-|       skipped = n - 1 = 6
+    """
+
+    name = "mamba"
+    vllm_manager = "MambaManager"
+
+    def lo(self, t: int) -> int:
+        return max(0, t - 1)
+
+    def live_span(self, ahead: int) -> int | None:
+        return 1 + ahead
+
+
+class RSWA(Kind):
+    """rswa(R): reference sliding window. Position ``t`` reads the whole prompt
+    ``[0, P)`` and the last ``R`` positions ``[t-R+1, t]`` (vLLM's
+    ``rswa_mask_mod``: ``kv < prefix_len or q - kv < window``). The gap
+    between them is freed, a middle range rather than a head prefix.
+    P = 5, R = 3, n = 12 settled, B = 2::
+
+        tokens   [ 0  1  2  3  4 | 5  6  7  8  9 10 | 11 12 ]
+                 |--- prompt ----|                  |- read -|   t = 12
+                                    |- gap: freeable -|          blocks wholly in [5, 10)
+        blocks   [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ][ 6 ]
+                               ^ first block past the prompt: cdiv(P, B) = 3
+                                          freeable = blocks 3, 4 (positions [6, 10))
+    """
+
+    name = "rswa"
+    param_name = "window"
+    vllm_manager = "RSWAManager"
+
+    def label(self) -> str:
+        return f"rswa(R={self.param})"
+
+    def lo(self, t: int) -> int:
+        return max(0, t - self.param + 1)
+
+    def window(self, t: int, prompt_len: int | None = None) -> Ranges:
+        if t < 0:
+            raise ValueError("position must be >= 0")
+        if prompt_len is None:
+            raise ValueError("rswa reads depend on the prompt length")
+        lo = t - self.param + 1
+        if lo <= prompt_len:
+            return ((0, t + 1),)
+        return ((0, prompt_len), (lo, t + 1))
+
+    def skipped(self, n: int) -> int:
+        return 0  # the prompt is always read
+
+    def freeable(self, n: int, block_size: int, prompt_len: int | None = None) -> range:
+        if prompt_len is None:
+            raise ValueError("rswa frees depend on the prompt length")
+        first = cdiv(prompt_len, block_size)
+        return range(first, max(first, (n - self.param + 1) // block_size))
+
+
+class Sink(Kind):
+    """sink(S): full attention behind ``S`` static sink tokens. vLLM's
+    ``StaticSinkAttention`` writes the sink's KV once into physical blocks
+    ``1 .. S/B`` and puts them in front of every request's block table, so
+    every step of every request reads them; they must never be handed to a
+    request (``SinkFullAttentionManager`` takes them out of the pool)::
+
+        read by t        [ sink: blocks 1..S/B ][ 0  1  2 .. t ]
+    """
+
+    name = "sink"
+    param_name = "sink_len"
+    vllm_manager = "SinkFullAttentionManager"
+
+    def label(self) -> str:
+        return f"sink(S={self.param})"
+
+    def problem(self, block_size: int) -> str | None:
+        if self.param < 1 or self.param % block_size:
+            return (f"sink needs a positive sink length that is a multiple of the block "
+                    f"size {block_size}, got {self.param}")
+        return None
+
+    def lo(self, t: int) -> int:
+        return 0
+
+    def reserved_blocks(self, block_size: int) -> range:
+        return range(1, 1 + self.param // block_size)
+
+
+KINDS: dict[str, type[Kind]] = {
+    k.name: k for k in (Full, Sliding, ChunkedLocal, Mamba, RSWA, Sink)
+}
+
+
+def make_kind(name: str, param: int = 0) -> Kind:
+    return KINDS[name](param)

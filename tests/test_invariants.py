@@ -1,0 +1,154 @@
+"""The checker on hand-made observations: property 2's content rule.
+
+Every slot of a block holds the KV some step (or a connector load) wrote
+there for one token prefix (model.tokens). A step may read, below its start,
+only slots written for its own prefix: a block handed out afresh holds
+nothing, a prefix hit keeps what the block holds, a rejected draft's KV is
+no one's."""
+
+from __future__ import annotations
+
+from model.events import AddRequest, Finish, Process, Schedule, config_for
+from model.observations import (
+    AllocObs,
+    FinishObs,
+    FreeObs,
+    Observed,
+    ProcessObs,
+    ReqStep,
+    StepObs,
+)
+from model.tokens import OUTPUT_TOKEN, describe_key, prefix_key, prompt_token
+from properties.invariants import Checker
+
+B = 4
+
+
+def checker(kind="full", **kw):
+    return Checker(config_for(kind, block_size=B, depth=2, **kw))
+
+
+def add(ch, rid, prompt):
+    return ch.feed(AddRequest(rid, prompt, 8), Observed([]))
+
+
+def schedule(ch, step, parts, allocs=()):
+    """parts: (rid, start, end, table[, spec[, loaded]]) per request."""
+    items = [AllocObs(b, 0, rid, lg, cached) for rid, lg, b, cached in allocs]
+    reqs = tuple(ReqStep(p[0], p[1], p[2], *(p[4:] or ()), tables=(tuple(p[3]),)) for p in parts)
+    items.append(StepObs(step, reqs))
+    return ch.feed(Schedule(), Observed(items))
+
+
+def process(ch, step, accepted=()):
+    return ch.feed(Process(dict(accepted)), Observed([ProcessObs(step, tuple(accepted))]))
+
+
+def only_prop2(vs):
+    assert [v.prop for v in vs] == [2], vs
+    return vs[0].message
+
+
+def test_the_token_model_names_prefixes():
+    assert prefix_key(5, 3) == prefix_key(9, 3)  # both still in their prompts
+    assert prefix_key(5, 6) != prefix_key(9, 6)  # one generated, one in its prompt
+    assert prefix_key(5, 6) == prefix_key(5, 6)
+    assert all(prompt_token(t) != OUTPUT_TOKEN for t in range(5000))
+    assert "5-token prompt" in describe_key(prefix_key(5, 6))
+
+
+def test_a_hit_on_a_block_written_in_an_earlier_step_or_the_same_step_is_good():
+    ch = checker()
+    add(ch, "a", 8)
+    add(ch, "b", 8)
+    assert not schedule(ch, 0, [("a", 0, 8, (1, 2))],
+                        [("a", 0, 1, False), ("a", 1, 2, False)])
+    # b hits both blocks (same prompt) and computes position 8 in the next step
+    assert not schedule(ch, 1, [("b", 7, 9, (1, 2, 3))],
+                        [("b", 0, 1, True), ("b", 1, 2, True), ("b", 2, 3, False)])
+    ch2 = checker()
+    add(ch2, "a", 8)
+    add(ch2, "b", 8)
+    # same step: a writes block 1 while b, which hit it, reads it (per layer,
+    # every write of a step lands before any read)
+    assert not schedule(ch2, 0, [("a", 0, 4, (1,)), ("b", 4, 6, (1, 2))],
+                        [("a", 0, 1, False), ("b", 0, 1, True), ("b", 1, 2, False)])
+
+
+def test_a_hit_on_a_block_no_step_wrote_is_caught():
+    ch = checker()
+    add(ch, "a", 16)
+    add(ch, "b", 16)
+    schedule(ch, 0, [("a", 0, 4, (1,))], [("a", 0, 1, False)])
+    # block 2 was handed to a (cached ahead of its chunk): b hits it before
+    # any step of a wrote positions [4, 8)
+    schedule(ch, 1, [("a", 4, 6, (1, 2))], [("a", 1, 2, False)])
+    msg = only_prop2(schedule(ch, 2, [("b", 8, 9, (1, 2, 3))],
+                              [("b", 0, 1, True), ("b", 1, 2, True), ("b", 2, 3, False)]))
+    assert "block 2 (logical 1)" in msg and "position 6" in msg and "no KV" in msg
+
+
+def test_a_hit_on_a_block_written_for_another_prefix_is_caught():
+    ch = checker()
+    add(ch, "a", 5)  # a generates from position 5 on
+    add(ch, "b", 9)  # b's positions 5..8 are prompt tokens
+    schedule(ch, 0, [("a", 0, 5, (1, 2))], [("a", 0, 1, False), ("a", 1, 2, False)])
+    process(ch, 0)
+    schedule(ch, 1, [("a", 5, 8, (1, 2))])
+    msg = only_prop2(schedule(ch, 2, [("b", 8, 9, (1, 2, 3))],
+                              [("b", 0, 1, True), ("b", 1, 2, True), ("b", 2, 3, False)]))
+    assert "position 5" in msg and "5-token prompt" in msg and "not b's" in msg
+
+
+def test_a_block_handed_out_afresh_holds_nothing():
+    ch = checker()
+    add(ch, "a", 8)
+    add(ch, "b", 8)
+    schedule(ch, 0, [("a", 0, 8, (1, 2))], [("a", 0, 1, False), ("a", 1, 2, False)])
+    process(ch, 0)
+    ch.feed(Finish("a"), Observed([FinishObs("a", "finish"), FreeObs(2, 0, "a", 1, "finish"),
+                                   FreeObs(1, 0, "a", 0, "finish")]))
+    # block 1 handed to b afresh (not a hit): what a wrote there is not b's
+    msg = only_prop2(schedule(ch, 1, [("b", 4, 5, (1, 2))],
+                              [("b", 0, 1, False), ("b", 1, 2, True)]))
+    assert "block 1 (logical 0)" in msg and "no KV" in msg
+
+
+def _decoding(ch):
+    add(ch, "a", 8)
+    schedule(ch, 0, [("a", 0, 8, (1, 2))], [("a", 0, 1, False), ("a", 1, 2, False)])
+    process(ch, 0)
+    # decode at 8 with two drafts (9, 10)
+    schedule(ch, 1, [("a", 8, 11, (1, 2, 3), 2)], [("a", 2, 3, False)])
+
+
+def test_a_rejected_draft_holds_no_ones_kv():
+    ch = checker()
+    _decoding(ch)
+    assert not process(ch, 1, [("a", 0)])  # both drafts rejected: a is back at 9
+    assert not schedule(ch, 2, [("a", 9, 12, (1, 2, 3), 2)])  # recomputes from 9: good
+    ch = checker()
+    _decoding(ch)
+    process(ch, 1, [("a", 0)])
+    # a step that reads past the rollback reads the rejected drafts' KV
+    msg = only_prop2(schedule(ch, 2, [("a", 11, 12, (1, 2, 3))]))
+    assert "position 9" in msg and "rejected" in msg
+
+
+def test_a_step_shifted_by_a_rejection_writes_its_new_positions():
+    ch = checker()
+    _decoding(ch)
+    # scheduled as if both drafts were accepted: [11, 14)
+    schedule(ch, 2, [("a", 11, 14, (1, 2, 3, 4), 2)], [("a", 3, 4, False)])
+    # both rejected: step 2 runs at [9, 12) and writes 9 and 10 again
+    assert not process(ch, 1, [("a", 0)])
+    assert not process(ch, 2, [("a", 2)])
+    assert not schedule(ch, 3, [("a", 12, 13, (1, 2, 3, 4))])
+    ch = checker()
+    _decoding(ch)
+    schedule(ch, 2, [("a", 11, 14, (1, 2, 3, 4), 2)], [("a", 3, 4, False)])
+    process(ch, 1, [("a", 0)])
+    process(ch, 2, [("a", 2)])
+    # a step that starts where step 2 was first placed reads what it never wrote
+    msg = only_prop2(schedule(ch, 3, [("a", 14, 15, (1, 2, 3, 4))]))
+    assert "position 12" in msg and "shifted" in msg
