@@ -336,6 +336,8 @@ class Trace:
         if self.meta:
             head["meta"] = self.meta
         body = json.dumps(head, indent=2)[:-2]
+        if not lines:
+            return body + ',\n  "events": []\n}\n'
         return body + ',\n  "events": [\n  ' + ",\n  ".join(lines) + "\n  ]\n}\n"
 
     def save(self, path: str | Path) -> Path:
