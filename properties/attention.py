@@ -75,7 +75,7 @@ from model.observations import (
     ReqStep,
     StepObs,
 )
-from model.windows import window
+from model.windows import reads
 from properties.attention_kernels import (
     KERNEL_TOL,
     TAG_DRAFT,
@@ -418,8 +418,15 @@ class AttentionReplay:
         kerr: float | None = None
         for gi, g in enumerate(self.cfg.groups):
             table = _table(rs, gi)
-            lo = np.array([window(g, int(t))[0] for t in ts], dtype=np.int64)
+            spans = [reads(g, int(t), plen) for t in ts]
+            lo = np.array([sp[0][0] for sp in spans], dtype=np.int64)
             pos, mask = window_grid(lo, ts)
+            if any(len(sp) > 1 for sp in spans):  # R-SWA: the prompt and the recent window
+                inside = np.zeros_like(mask)
+                for i, sp in enumerate(spans):
+                    for x, y in sp:
+                        inside[i] |= (pos[i] >= x) & (pos[i] < y)
+                mask &= inside
             q = q_true(plen, gi, ts, self.shape)
             cache = self.caches[gi]
             got = gather_paged(cache, table, pos, mask)
@@ -439,7 +446,7 @@ class AttentionReplay:
                                g.label())
                 if bad is None or cand.position < bad.position:
                     bad = cand
-            if self.kernel is not None and judge:
+            if self.kernel is not None and judge and g.kind not in ("rswa", "sink"):
                 try:
                     e = self._kernel_err(cache, g, table, ts, q, pos, mask)
                 except Exception as ex:  # noqa: BLE001 - reported, the torch check goes on

@@ -303,7 +303,7 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
         for rid in rids:
             for pp, lo, hi in checker._may_read(rid):
                 for gi, g in enumerate(cfg.groups):
-                    rb = read_blocks(g, lo, hi, B)
+                    rb = read_blocks(g, lo, hi, B, checker.prompt_len.get(rid))
                     if len(rb):
                         windows.append(ReadWindow(r, pp.step, rid, gi, rb[0], rb[-1], lo, hi,
                                                   pp.dead))
@@ -358,7 +358,8 @@ def _locate(v: Violation, r: int, items, checker: Checker, cfg: Config) -> Mark:
                     continue
                 for gi, g in enumerate(cfg.groups):
                     table = pp.rs.tables[gi] if gi < len(pp.rs.tables) else ()
-                    for lg in read_blocks(g, pp.start, pp.end, cfg.block_size):
+                    for lg in read_blocks(g, pp.start, pp.end, cfg.block_size,
+                                          checker.prompt_len.get(pp.rs.rid)):
                         blk = table[lg] if lg < len(table) else None
                         if blk is None or blk == NULL or blk == v.block:
                             return Mark(**base, group=gi, logical=lg)
