@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where counterexample traces are saved (default counterexamples/)")
     f.add_argument("--attention-every", type=int, default=0, metavar="N",
                    help="also confirm every Nth example numerically with attention replay")
-    f.add_argument("--props", default="1,2,3,4,5,6", metavar="LIST",
+    f.add_argument("--props", default="1,2,3,4,5,6,7", metavar="LIST",
                    help="the properties to enforce, e.g. 2 to look for null reads past "
                         "freed-while-read (default all)")
     f.add_argument("--quiet", action="store_true")
@@ -257,7 +257,7 @@ def _parse_props(text: str) -> frozenset[int]:
         props = frozenset(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise UsageError(f"--props {text!r}: a comma-separated list of 1-6") from None
-    if not props or not props <= {1, 2, 3, 4, 5, 6}:
+    if not props or not props <= {1, 2, 3, 4, 5, 6, 7}:
         raise UsageError(f"--props {text!r}: a comma-separated list of 1-6")
     return props
 

@@ -95,9 +95,19 @@ class Abort:
     id: str
 
 
-Event = AddRequest | Schedule | Process | Preempt | FailLoad | Finish | Abort
+@dataclass(frozen=True)
+class Drain:
+    """No new requests and no failures from here on: the engine runs its loop
+    (schedule while the batch queue has room, else take the oldest output,
+    every draft accepted) until every request has finished. Not a target
+    call: the runner expands it into Schedule and Process events, and
+    property 7 (progress) judges that it ends (properties/drain.py)."""
+
+
+Event = AddRequest | Schedule | Process | Preempt | FailLoad | Finish | Abort | Drain
 EVENT_TYPES: dict[str, type] = {
-    c.__name__: c for c in (AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort)
+    c.__name__: c
+    for c in (AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort, Drain)
 }
 
 

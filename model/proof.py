@@ -577,9 +577,10 @@ def _rswa_gap(policy: str) -> tuple[z3.CheckSatResult, dict[str, int], float]:
 def rswa_counterexample(policy: str, block_size: int = 4, window: int = 2) -> Trace:
     """A run that shows an R-SWA rule freeing on the wrong count: one request
     with a one-token prompt decoding with two drafts per step at depth 2, so a
-    step of three tokens is always ahead of the settled count; three is prime
-    to the block size, so the gap's edge sweeps every block boundary. ``kvcheck prove`` and the tests replay it on the
-    reference target under the policy."""
+    step of three tokens is always ahead of the settled count; three does not
+    divide a power-of-two block size, so the gap's edge sweeps every block
+    boundary. ``kvcheck prove`` and the tests replay it on the reference
+    target under the policy."""
     B, R = block_size, window
     n = 3 * B + 3 * R + 6
     cfg = Config(groups=(Group("rswa", R),), block_size=B, num_blocks=4 + -(-(n + 4) // B),

@@ -21,7 +21,13 @@ block and the positions, in one line.
    ``c = p + f + loading``; ``f = 0`` when idle;
 5. ``admission-bound``: live blocks per request within the manager's bound;
 6. ``sync-unchanged``: at depth 1 a policy behaves exactly like ``settled``
-   (checked by the runner with a twin target, see :func:`compare_twin`).
+   (checked by the runner with a twin target, see :func:`compare_twin`);
+7. ``progress``: a preemption inside ``schedule()`` lets go of something in
+   that step (a victim whose blocks all wait behind in-flight steps frees
+   nothing the scheduler can use, and the next victim follows); and, checked
+   by the state machine's drain (:mod:`properties.machine`), with no new
+   requests and no failures every request finishes within a stated bound of
+   scheduler iterations.
 
 Witnesses count how often a run reached the situations these are about.
 """
@@ -31,7 +37,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from model.events import AddRequest, Config, Event, FailLoad, Group
+from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
 from model.observations import (
     NULL,
     AllocObs,
@@ -52,6 +58,7 @@ PROPERTIES = {
     4: "in-flight-accounting",
     5: "admission-bound",
     6: "sync-unchanged",
+    7: "progress",
 }
 
 WITNESSES = {
@@ -65,6 +72,8 @@ WITNESSES = {
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
+    "preempt_in_schedule": "schedule() preempted a request under pool pressure",
+    "drained": "an example ended with every request run to completion (property 7)",
 }
 
 
@@ -144,6 +153,8 @@ class Checker:
         self.refs: Counter[int] = Counter()  # block -> references held
         self._owned = 0  # blocks with refs > 0, kept in step with self.refs
         self._any_deferred = False  # some request may have deferred window frees
+        self._scheduling = False  # the event being fed is a Schedule
+        self._let_go: set[str] = set()
         self.last_owner: dict[int, str] = {}
         self.witness: Counter[str] = Counter()
         self.event_index = -1
@@ -178,6 +189,8 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
+        self._scheduling = isinstance(event, Schedule)
+        self._let_go: set[str] = set()  # requests that dropped a reference in this event
         if isinstance(event, AddRequest):
             self.prompt_len[event.id] = event.prompt_len
         elif isinstance(event, FailLoad):
@@ -310,6 +323,7 @@ class Checker:
             self._owned += 1
 
     def _free(self, f: FreeObs) -> None:
+        self._let_go.add(f.rid)
         key = (f.rid, f.group, f.logical)
         dkey = (*key, f.block)
         if self.detached.get(dkey):
@@ -660,13 +674,21 @@ class Checker:
                         return g, lg, table[lg], max(r[0], x0), min(r[1], x1)
         return None
 
-    def _detach(self, rid: str) -> None:
+    def _detach(self, rid: str, preempted: bool = False) -> None:
         """A request stopped running: its table is let go at once, while its
         blocks may reach the pool later (vLLM defers them behind the steps in
         flight). A later FreeObs is matched here, so a re-admitted request
         may take new blocks at the same slots meanwhile."""
-        for key in [k for k in self.holder if k[0] == rid]:
+        kept = [k for k in self.holder if k[0] == rid]
+        for key in kept:
             self.detached[(*key, self.holder.pop(key))] += 1
+        if not (preempted and self._scheduling):
+            return
+        self.witness["preempt_in_schedule"] += 1
+        if kept and rid not in self._let_go:
+            self._v(7, f"schedule() preempted {rid}, which holds {len(kept)} block(s), but "
+                       f"let none of them go in that step (they wait behind its in-flight "
+                       f"steps): the preemption frees nothing the scheduler can use", rid=rid)
 
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
@@ -715,7 +737,7 @@ class Checker:
                 if not req.stopped:
                     req.stopped = True
                     self.mark_dead(rid, preempted=True)
-                    self._detach(rid)
+                    self._detach(rid, preempted=status == "preempted")
             else:
                 self.reqs[rid].stopped = False
             for gi, n in enumerate(rc.live):

@@ -31,6 +31,7 @@ from model.events import (
     Abort,
     AddRequest,
     Config,
+    Drain,
     Event,
     FailLoad,
     Finish,
@@ -69,14 +70,14 @@ class FuzzSpec:
     aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
     max_steps: int | None = None  # events per example; None: 30, 50 for R-SWA (long outputs)
-    props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6})  # the properties enforced
+    props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7})  # the properties enforced
 
     def key(self) -> str:
         return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
                 f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
                 + ("" if self.fail_loads else "|nofail")
                 + ("" if self.aligned_loads else "|unaligned")
-                + ("" if len(self.props) == 6 else f"|p{''.join(map(str, sorted(self.props)))}"))
+                + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
 @dataclass
@@ -143,10 +144,13 @@ class KVMachine(RuleBasedStateMachine):
         self.events: list[Event] = []
         self.counters = None
         self.added: list[str] = []
+        self.drain = False
 
     # ----------------------------------------------------------- plumbing
 
-    def _apply(self, ev: Event) -> Observed:
+    def _apply(self, ev: Event, record: bool = True) -> Observed:
+        """Apply ``ev`` to the target and check it (``record``: it is one of the
+        example's events, else a step of a Drain)."""
         cls = type(self)
         can = getattr(cls.target, "can_apply", None)
         if can is not None and not can(ev):
@@ -155,7 +159,8 @@ class KVMachine(RuleBasedStateMachine):
             if not can(ev):
                 cls.stats.refused[type(ev).__name__] += 1
                 reject()
-        self.events.append(ev)
+        if record:
+            self.events.append(ev)
         cls.last = {"config": self.cfg, "events": self.events}  # this example's list, not a copy
         try:
             obs = cls.target.apply(ev)
@@ -186,13 +191,18 @@ class KVMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @initialize(cfg=st.runner().flatmap(lambda m: config_strategy(m.spec)))
-    def setup(self, cfg: Config) -> None:
+    @initialize(cfg=st.runner().flatmap(lambda m: config_strategy(m.spec)),
+                drain=st.booleans())
+    def setup(self, cfg: Config, drain: bool) -> None:
         cls = type(self)
         self.cfg = cfg
         self.checker = Checker(cfg)
+        # property 7's drain at the end of about half the examples
+        self.drain = drain and 7 in self.spec.props
         cls.stats.examples += 1
         cls.stats.expected |= expected_witnesses(cfg)
+        if 7 in self.spec.props:
+            cls.stats.expected.add("drained")
         cls.last = {"config": cfg, "events": []}
         try:
             obs = cls.target.reset(cfg)
@@ -286,10 +296,30 @@ class KVMachine(RuleBasedStateMachine):
         self._apply(Abort(rid) if abort else Finish(rid))
 
     def teardown(self) -> None:
-        if self.checker is not None:
-            type(self).stats.witness.update(self.checker.witness)
-        if type(self).on_example is not None:
-            type(self).on_example("teardown", self)
+        try:
+            if self.checker is not None and self.drain:
+                self._drain()
+        finally:
+            if self.checker is not None:
+                type(self).stats.witness.update(self.checker.witness)
+            if type(self).on_example is not None:
+                type(self).on_example("teardown", self)
+
+    # ------------------------------------------------------- property 7
+
+    def _drain(self) -> None:
+        """Property 7's liveness half: a Drain event (properties/drain.py)."""
+        from properties.drain import drain
+
+        cls = type(self)
+        self.events.append(Drain())
+        cls.stats.events["Drain"] += 1
+        reqs = {e.id: e for e in self.events if isinstance(e, AddRequest)}
+        v = drain(self.cfg, self.checker, self.counters, reqs, self._live,
+                  lambda ev: self._apply(ev, record=False), len(self.events) - 1)
+        if v is not None:
+            cls.last["violation"] = v
+            raise PropertyFailed(v)
 
 
 def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
@@ -356,7 +386,7 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         if last.get("config") is not None:
             meta = {"target": spec.target,
                     "violation": str(result.violation or "target crash")}
-            if len(spec.props) < 6:
+            if len(spec.props) < 7:
                 meta["props"] = sorted(spec.props)
             result.trace = Trace(last["config"], list(last["events"]), meta=meta)
             if result.violation is not None and minimize_trace:

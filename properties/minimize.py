@@ -51,9 +51,10 @@ def _rename(events: list[Event]) -> list[Event]:
     return out
 
 
-def _lower_one(events, violating_prefix):
+def _lower_one(events, violating_prefix, block_size: int):
     """``events`` with one number of one AddRequest lowered, if the violation
-    survives it; else None."""
+    survives it; else None. Block-aligned external token counts (what
+    block-granular connectors offer) stay aligned."""
     for i, ev in enumerate(events):
         if not isinstance(ev, AddRequest):
             continue
@@ -61,6 +62,8 @@ def _lower_one(events, violating_prefix):
             lo = 0 if field == "external_tokens" else 1
             val = getattr(ev, field)
             for smaller in sorted({lo, val // 2, val - 1}):
+                if field == "external_tokens" and val % block_size == 0:
+                    smaller -= smaller % block_size
                 if not lo <= smaller < val:
                     continue
                 cand = replace(ev, **{field: smaller})
@@ -115,7 +118,7 @@ def minimize(trace: Trace, target: Target, prop: int, budget: int = 400) -> Trac
                     events, changed = got, True
             i -= 1
         if not changed:
-            got = _lower_one(events, violating_prefix)
+            got = _lower_one(events, violating_prefix, cfg.block_size)
             if got is not None:
                 events, changed = got, True
     final = _rename(events)

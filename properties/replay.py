@@ -13,8 +13,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from impl.target import Target, TargetCrash, make_target
-from model.events import Config, Event, Trace
+from model.events import AddRequest, Config, Drain, Event, Trace
 from model.observations import Observed
+from properties.drain import drain
 from properties.invariants import Checker, Violation
 
 
@@ -51,7 +52,44 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
     checker.feed(None, tgt.reset(trace.config))
     rows: list[Row] = []
     crash = None
+    reqs: dict[str, AddRequest] = {}
+    last_counters = None
+
+    def live() -> list[str]:
+        c = last_counters.reqs if last_counters is not None else {}
+        return [r for r in reqs if r not in c or c[r].status != "finished"]
+
     for i, ev in enumerate(trace.events):
+        if isinstance(ev, Drain):
+            def step(e: Event, i: int = i) -> Observed:
+                nonlocal last_counters
+                o = tgt.apply(e)
+                if o.counters is not None:
+                    last_counters = o.counters
+                vs = checker.feed(e, o)
+                if props is not None:
+                    vs = [v for v in vs if v.prop in props]
+                rows.append(Row(i, e, o, vs, {r: q.p for r, q in checker.reqs.items()}))
+                if vs and stop_at_first:
+                    raise _Stop
+                return o
+
+            try:
+                v = drain(trace.config, checker, last_counters, reqs, live, step, i)
+            except _Stop:
+                break
+            except TargetCrash as e:
+                crash = str(e)
+                break
+            if v is not None:
+                checker.violations.append(v)
+                if rows:
+                    rows[-1].violations.append(v)
+                if stop_at_first and (props is None or 7 in props):
+                    break
+            continue
+        if isinstance(ev, AddRequest):
+            reqs[ev.id] = ev
         try:
             obs = tgt.apply(ev)
         except TargetCrash as e:
@@ -63,6 +101,8 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         except Exception:  # noqa: BLE001
             crash = f"{tgt.name} raised on event {i} ({ev}):\n{traceback.format_exc()}"
             break
+        if obs.counters is not None:
+            last_counters = obs.counters
         vs = checker.feed(ev, obs)
         if props is not None:
             vs = [v for v in vs if v.prop in props]
@@ -75,6 +115,10 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
 
 class InvalidEvent(ValueError):
     """A trace event the target refuses as invalid in its state (exit 2)."""
+
+
+class _Stop(Exception):
+    """A violation inside a Drain: the replay stops there."""
 
 
 def _fmt_event(ev: Event) -> str:

@@ -180,6 +180,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "a prompt's blocks are offered to the prefix cache before their chunk is computed",
         ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2})),
     Mutant(
+        "preempts-fenced-victim", CORE + "sched/scheduler.py",
+        "                    if not self._request_blocks_can_be_freed(preempted_req):\n"
+        "                        break\n",
+        "                    if False:\n"
+        "                        break\n",
+        "under pool pressure the scheduler preempts a victim whose blocks wait behind its "
+        "in-flight steps (vLLM #49674)",
+        ("--kind", "full", *_CONSUMER), frozenset({7})),
+    Mutant(
+        "preempted-request-lost", CORE + "sched/scheduler.py",
+        "        # Put the request back to the waiting queue.\n"
+        "        self.waiting.prepend_request(request)\n",
+        "        # Put the request back to the waiting queue.\n"
+        "        pass\n",
+        "a preempted request is not put back in the waiting queue: it never runs again",
+        ("--kind", "full", "--depth", "1"), frozenset({7})),
+    Mutant(
         "skipped-blocks-round-up", CORE + "single_type_kv_cache_manager.py",
         "        num_skipped_blocks = num_skipped_tokens // self.block_size\n"
         "        # `num_skipped_tokens` may include",
@@ -284,8 +301,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "                del lru[b]\n                self._evict(b)\n",
         "                del lru[b]\n",
         "the reference pool hands out a cached block afresh without forgetting its hash",
-        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2}),
-        subject="reference", min_examples=600, max_events=16),
+        ("--kind", "full", "--prefix-caching", "on", "--block-size", "4", "--spec-tokens", "0",
+         "--hazard", "ordered", "--no-external", *_ASYNC), frozenset({2}),
+        subject="reference", min_examples=400, max_events=16),
+    Mutant(
+        "ref-preempts-fenced-victim", REF + "scheduler.py",
+        "                if self.defer_request_frees and self._in_flight(victim):\n",
+        "                if False:\n",
+        "the reference preempts a victim whose blocks wait behind its in-flight steps",
+        ("--kind", "full", *_CONSUMER), frozenset({7}), subject="reference"),
     Mutant(
         "ref-failed-load-resumes-late", REF + "scheduler.py",
         "        r.computed = min(r.computed, j * B)\n",

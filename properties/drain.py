@@ -1,0 +1,88 @@
+"""Property 7's liveness half: a ``Drain`` event, run the way vLLM's engine
+runs (``EngineCore.step_with_batch_queue``).
+
+With no new requests and no failures, the engine schedules while its batch
+queue has room and otherwise takes the oldest output (here every draft is
+accepted), until no request is left. Every request must finish within
+
+    2 * depth + 2 * N * T   scheduler iterations (Schedule or Process events)
+
+for ``N`` live requests holding ``T`` tokens of prompt plus outputs in all:
+each request needs at most its own tokens computed, and recomputes from
+scratch at most once per request ahead of it, since the scheduler preempts
+the lowest-priority running request. Judged only when each live request fits
+in the pool alone, as vLLM's startup check demands for ``max_model_len``; a
+pool too small for one request can only wait.
+
+The machine (properties/machine.py) and ``replay`` both expand a Drain here,
+so a trace that ends in a Drain replays to the same verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from model.events import AddRequest, Config, Event, Process, Schedule
+from model.observations import Counters, Observed, StepObs
+from properties.invariants import Checker, Violation
+
+
+def drain_limit(cfg: Config, reqs: dict[str, AddRequest], live: list[str]) -> int:
+    tokens = sum(reqs[r].prompt_len + reqs[r].max_new_tokens for r in live)
+    return 2 * cfg.depth + 2 * len(live) * tokens
+
+
+def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved: int) -> bool:
+    """Whether the pool holds ``req`` with nothing else running: its whole
+    sequence (and draft slots) per group, capped by the group's admission
+    bound where the target reports one."""
+    B, spec = cfg.block_size, cfg.spec_tokens
+    bound = counters.bound if counters is not None and counters.bound else ()
+    need = 0
+    for gi, g in enumerate(cfg.groups):
+        n = -(-(req.prompt_len + req.max_new_tokens + spec) // B)
+        if g.kind == "mamba":
+            n += spec
+        if gi < len(bound):
+            n = min(n, bound[gi] + spec)
+        need += n
+    return need <= cfg.num_blocks - 1 - reserved
+
+
+def drain(cfg: Config, checker: Checker, counters: Counters | None,
+          reqs: dict[str, AddRequest], live: Callable[[], list[str]],
+          apply: Callable[[Event], Observed], event_index: int) -> Violation | None:
+    """Run the engine loop through ``apply`` until ``live()`` is empty; the
+    property-7 violation if it is not within the limit (None: finished, or not
+    judged because a request cannot fit alone)."""
+    rids = live()
+    if not rids:
+        return None
+    if not all(fits_alone(cfg, reqs[r], counters, len(checker.reserved)) for r in rids):
+        return None
+    limit = drain_limit(cfg, reqs, rids)
+    idle = 0  # empty schedules in a row with nothing in flight
+    for _ in range(limit):
+        if not live():
+            checker.witness["drained"] += 1
+            return None
+        if checker.in_flight_steps() < cfg.depth:
+            obs = apply(Schedule())
+            if any(isinstance(it, StepObs) for it in obs.items):
+                idle = 0
+                continue  # the engine schedules again while the queue has room
+            if not checker.in_flight_steps():
+                idle += 1
+                if idle > cfg.depth:  # pipeline parallelism staggers decodes, no more
+                    return Violation(7, f"nothing is in flight and schedule() scheduled "
+                                        f"nothing {idle} times in a row, while "
+                                        f"{', '.join(live())} have not finished",
+                                     event_index=event_index)
+                continue
+        apply(Process())
+    if not live():
+        checker.witness["drained"] += 1
+        return None
+    return Violation(7, f"with no new requests and no failures, {', '.join(live())} did not "
+                        f"finish within {limit} scheduler iterations (2 * depth + 2 * requests "
+                        f"* tokens)", event_index=event_index)
