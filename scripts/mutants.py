@@ -197,6 +197,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "a preempted request is not put back in the waiting queue: it never runs again",
         ("--kind", "full", "--depth", "1"), frozenset({7})),
     Mutant(
+        "rswa-gap-into-prompt", CORE + "single_type_kv_cache_manager.py",
+        "        first_gap_block = cdiv(num_prompt_tokens, bs)\n",
+        "        first_gap_block = num_prompt_tokens // bs\n",
+        "R-SWA's gap starts at the block holding the prompt's last tokens, which every "
+        "position still reads",
+        ("--kind", "rswa", *_ASYNC), frozenset({1, 2})),
+    Mutant(
+        "rswa-window-one-short", CORE + "single_type_kv_cache_manager.py",
+        "            num_prompt_tokens, processed_computed_tokens - self.rswa_window\n",
+        "            num_prompt_tokens, processed_computed_tokens - self.rswa_window + 2\n",
+        "R-SWA's gap ends two tokens late: it frees the block of the oldest position the "
+        "window still reads",
+        ("--kind", "rswa", "--block-size", "4", "--spec-tokens", "0", *_ASYNC),
+        frozenset({1, 2})),
+    Mutant(
         "skipped-blocks-round-up", CORE + "single_type_kv_cache_manager.py",
         "        num_skipped_blocks = num_skipped_tokens // self.block_size\n"
         "        # `num_skipped_tokens` may include",
