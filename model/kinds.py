@@ -103,6 +103,13 @@ class Kind:
         span = self.live_span(ahead)
         return full if span is None else min(full, cdiv(span, block_size) + 1)
 
+    def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
+        """The most blocks admission asks for per request (vLLM's
+        ``max_admission_blocks_per_request``; None: the whole request), which
+        sizes the pool at startup. Property 5 judges against
+        :meth:`live_bound`, the checker's own bound, not this."""
+        return None
+
     def reserved_blocks(self, block_size: int) -> range:
         """Physical blocks the kind holds for itself for the pool's lifetime."""
         return range(0)
@@ -140,6 +147,11 @@ class Sliding(Kind):
     def live_span(self, ahead: int) -> int | None:
         return self.param - 1 + ahead
 
+    def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
+        # the last W-1 settled tokens plus those ahead, and one block for a
+        # window that does not start at a block edge
+        return cdiv(min(self.param - 1 + ahead, max_model_len), block_size) + 1
+
 
 class ChunkedLocal(Kind):
     """chunked_local(C): position ``t`` reads ``[floor(t/C)*C, t]``. C = 8, n = 13::
@@ -164,6 +176,10 @@ class ChunkedLocal(Kind):
 
     def live_span(self, ahead: int) -> int | None:
         return self.param - 1 + ahead
+
+    def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
+        # one chunk plus the tokens ahead (chunk-aligned: no extra block)
+        return cdiv(min(self.param + ahead, max_model_len), block_size)
 
 
 class Mamba(Kind):

@@ -121,7 +121,9 @@ class SingleTypeManager:
         return list(enumerate(new, first))
 
     def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
-        """Kinds that recycle blocks cap the blocks admission asks for."""
+        """Kinds that recycle blocks cap the blocks admission asks for (the
+        kind's ``admission_cap``, vLLM's ``max_admission_blocks_per_request``)."""
+        self.admission_cap = self.group.spec.admission_cap(self.B, max_model_len, tokens_ahead)
 
     def admission_cost(self, hit: list[int], computed: int, num_tokens: int,
                        capped: bool = False) -> int:
@@ -279,10 +281,6 @@ class SlidingWindowManager(SingleTypeManager):
     def get_num_skipped_tokens(self, n: int) -> int:
         return max(0, n - self.window + 1)
 
-    def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
-        # the last W-1 settled tokens plus the tokens ahead of them, and one
-        # block for a window that does not start at a block edge
-        self.admission_cap = cdiv(min(self.window - 1 + tokens_ahead, max_model_len), self.B) + 1
 
     def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
         need = cdiv(self.window - 1, self.B)
@@ -326,9 +324,6 @@ class ChunkedLocalManager(SingleTypeManager):
     def get_num_skipped_tokens(self, n: int) -> int:
         return (n // self.chunk) * self.chunk
 
-    def set_admission_cap(self, tokens_ahead: int, max_model_len: int) -> None:
-        # one chunk plus the tokens ahead of the settled count
-        self.admission_cap = cdiv(min(self.chunk + tokens_ahead, max_model_len), self.B)
 
     def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
         start_block = ((max_len // self.chunk) * self.chunk) // self.B
