@@ -5,12 +5,14 @@ With no new requests and no failures, the engine schedules while its batch
 queue has room and otherwise takes the oldest output (here every draft is
 accepted), until no request is left. Every request must finish within
 
-    2 * depth + 2 * N * T   scheduler iterations (Schedule or Process events)
+    2 * depth * (1 + N * T)   scheduler iterations (Schedule or Process events)
 
 for ``N`` live requests holding ``T`` tokens of prompt plus outputs in all:
 each request needs at most its own tokens computed, and recomputes from
 scratch at most once per request ahead of it, since the scheduler preempts
-the lowest-priority running request. Judged only when each live request fits
+the lowest-priority running request; a token costs at most ``2 * depth``
+iterations (pipeline parallelism decodes a request every ``depth - 1``
+iterations, and each step's output is taken once). Judged only when each live request fits
 in the pool alone, as vLLM's startup check demands for ``max_model_len``; a
 pool too small for one request can only wait.
 
@@ -29,7 +31,7 @@ from properties.invariants import Checker, Violation
 
 def drain_limit(cfg: Config, reqs: dict[str, AddRequest], live: list[str]) -> int:
     tokens = sum(reqs[r].prompt_len + reqs[r].max_new_tokens for r in live)
-    return 2 * cfg.depth + 2 * len(live) * tokens
+    return 2 * cfg.depth * (1 + len(live) * tokens)
 
 
 def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved: int) -> bool:
@@ -84,5 +86,5 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
         checker.witness["drained"] += 1
         return None
     return Violation(7, f"with no new requests and no failures, {', '.join(live())} did not "
-                        f"finish within {limit} scheduler iterations (2 * depth + 2 * requests "
-                        f"* tokens)", event_index=event_index)
+                        f"finish within {limit} scheduler iterations (2 * depth * (1 + requests "
+                        f"* tokens))", event_index=event_index)
