@@ -13,12 +13,12 @@ Adding a policy is a few lines::
 
     from model.policy import register
 
-    @register("my-fence")
-    def my_fence(group, counts):
-        return counts.computed - counts.in_flight - counts.loading
+    @register("one-block-late")
+    def one_block_late(group, counts):
+        return counts.computed - counts.in_flight - counts.loading - 16
 
-and then ``./kvcheck fuzz --policy my-fence`` and ``./kvcheck prove --policy
-my-fence`` judge it (the reference manager picks it up by name).
+and then ``./kvcheck fuzz --policy one-block-late`` and ``./kvcheck prove --policy
+one-block-late`` judge it (the reference manager picks it up by name).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def optimistic(group: Group, counts: Counts) -> int:
     return counts.computed
 
 
-@register("settled", "free on num_computed_tokens - num_in_flight_tokens (the fix)")
+@register("settled", "free on num_computed_tokens - num_in_flight_tokens - loading (the fix)")
 def settled(group: Group, counts: Counts) -> int:
     return counts.computed - counts.in_flight - counts.loading
 

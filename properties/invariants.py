@@ -20,8 +20,9 @@ block and the positions, in one line.
 4. ``in-flight-accounting``: ``f`` equals the unprocessed steps' tokens and
    ``c = p + f + loading``; ``f = 0`` when idle;
 5. ``admission-bound``: live blocks per request within the manager's bound;
-6. ``sync-unchanged``: at depth 1 a policy behaves exactly like ``settled``
-   (checked by the runner with a twin target, see :func:`compare_twin`);
+6. ``sync-unchanged``: at depth 1 a policy behaves exactly like ``settled``:
+   the runner feeds the same events to a twin of a configurable target set
+   to ``settled`` and :func:`compare_twin` finds the first difference;
 7. ``progress``: a preemption inside ``schedule()`` lets go of something in
    that step (a victim whose blocks all wait behind in-flight steps frees
    nothing the scheduler can use, and the next victim follows); and, checked
@@ -35,7 +36,7 @@ Witnesses count how often a run reached the situations these are about.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
 from model.observations import (
@@ -74,6 +75,7 @@ WITNESSES = {
                     "hand them out here)",
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
     "drained": "an example ended with every request run to completion (property 7)",
+    "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
 }
 
 
@@ -122,6 +124,32 @@ class _Req:
     last_freeable: dict[int, int] = field(default_factory=dict)
     stopped: bool = False  # preempted / waiting since the last time it ran
     loaded: tuple[int, int] | None = None  # positions its last connector load covers
+
+
+def twin_config(cfg: Config) -> Config | None:
+    """The config of property 6's twin: the same at depth 1 under ``settled``
+    (None: nothing to compare, the config is settled already or async)."""
+    if cfg.depth != 1 or cfg.policy == "settled":
+        return None
+    return replace(cfg, policy="settled")
+
+
+def compare_twin(ev: Event, mine: Observed, twin: Observed, policy: str,
+                 event_index: int) -> Violation | None:
+    """Property 6: what one event did under ``policy`` and under ``settled``
+    at depth 1 (the same target, the same events) must be the same."""
+    if mine.items == twin.items and mine.counters == twin.counters:
+        return None
+    a, b = list(mine.items), list(twin.items)
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+             min(len(a), len(b)))
+    here = a[i] if i < len(a) else "nothing"
+    there = b[i] if i < len(b) else "nothing"
+    if here == there:
+        here, there = mine.counters, twin.counters
+    return Violation(6, f"at depth 1 {policy} and settled part at {type(ev).__name__}: "
+                        f"{policy} gives {here}, settled gives {there}",
+                     event_index=event_index)
 
 
 def expected_witnesses(cfg: Config) -> set[str]:

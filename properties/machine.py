@@ -43,6 +43,7 @@ from model.events import (
 )
 from model.observations import Observed
 from properties.invariants import Checker, Violation, expected_witnesses
+from properties.twin import Twin
 
 MAX_REQUESTS = 4  # live at once
 MAX_ADDED = 8  # per example
@@ -145,6 +146,7 @@ class KVMachine(RuleBasedStateMachine):
         self.counters = None
         self.added: list[str] = []
         self.drain = False
+        self.twin: Twin | None = None
 
     # ----------------------------------------------------------- plumbing
 
@@ -176,6 +178,10 @@ class KVMachine(RuleBasedStateMachine):
         if obs.counters is not None:
             self.counters = obs.counters
         violations = [v for v in self.checker.feed(ev, obs) if v.prop in self.spec.props]
+        if self.twin is not None and 6 in self.spec.props:
+            v6 = self.twin.check(ev, obs, self.checker, self.checker.event_index)
+            if v6 is not None:
+                violations.append(v6)
         if violations:
             cls.last["violation"] = violations[0]
             raise PropertyFailed(violations[0])
@@ -214,6 +220,9 @@ class KVMachine(RuleBasedStateMachine):
             reject()
         self.checker.feed(None, obs)
         self.counters = obs.counters
+        self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
+        if self.twin is not None and self.twin.target is not None:
+            cls.stats.expected.add("twin_compared")
         if cls.on_example is not None:
             cls.on_example("setup", self)
 

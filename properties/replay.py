@@ -17,6 +17,7 @@ from model.events import AddRequest, Config, Drain, Event, Trace
 from model.observations import Observed
 from properties.drain import drain
 from properties.invariants import Checker, Violation
+from properties.twin import Twin
 
 
 @dataclass
@@ -50,6 +51,16 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
     tgt = make_target(target) if isinstance(target, str) else target
     checker = Checker(trace.config)
     checker.feed(None, tgt.reset(trace.config))
+    twin = Twin(tgt, trace.config)
+
+    def judged(e: Event, o: Observed) -> list[Violation]:
+        vs = checker.feed(e, o)
+        v6 = twin.check(e, o, checker, checker.event_index)
+        if v6 is not None:
+            checker.violations.append(v6)
+            vs.append(v6)
+        return vs
+
     rows: list[Row] = []
     crash = None
     reqs: dict[str, AddRequest] = {}
@@ -66,7 +77,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
                 o = tgt.apply(e)
                 if o.counters is not None:
                     last_counters = o.counters
-                vs = checker.feed(e, o)
+                vs = judged(e, o)
                 if props is not None:
                     vs = [v for v in vs if v.prop in props]
                 rows.append(Row(i, e, o, vs, {r: q.p for r, q in checker.reqs.items()}))
@@ -103,7 +114,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
             break
         if obs.counters is not None:
             last_counters = obs.counters
-        vs = checker.feed(ev, obs)
+        vs = judged(ev, obs)
         if props is not None:
             vs = [v for v in vs if v.prop in props]
         rows.append(Row(i, ev, obs, vs, {r: q.p for r, q in checker.reqs.items()}))

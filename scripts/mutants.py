@@ -326,6 +326,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "the reference preempts a victim whose blocks wait behind its in-flight steps",
         ("--kind", "full", *_CONSUMER), frozenset({7}), subject="reference"),
     Mutant(
+        "ref-mamba-local-lazy", "model/policy.py",
+        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    return counts.computed\n",
+        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    return counts.computed - 1\n",
+        "the mamba-local policy frees one token late on attention groups: safe, but no "
+        "longer what settled does at depth 1",
+        ("--kind", "sliding", "--policy", "mamba-local", "--depth", "1"), frozenset({6}),
+        subject="reference"),
+    Mutant(
         "ref-failed-load-resumes-late", REF + "scheduler.py",
         "        r.computed = min(r.computed, j * B)\n",
         "        r.computed = min(r.computed, (j + 1) * B)\n",

@@ -46,6 +46,28 @@ def test_sync_depth_one_every_policy_holds(kind):
         assert res.violation is None, (policy, res.violation)
 
 
+def test_a_policy_that_changes_sync_behaviour_is_caught_by_property_6():
+    """Lazier than settled is safe (properties 1-5 hold) but not the same at
+    depth 1: only the settled twin sees it."""
+    from model.policy import REGISTRY, register
+
+    @register("settled-lazy", "settled, one token later")
+    def lazy(group, counts):
+        return counts.computed - counts.in_flight - counts.loading - 1
+
+    try:
+        res = fuzz(FuzzSpec(kind="sliding", policy="settled-lazy", depth=1), examples=200,
+                   seed=3)
+        assert res.violation is not None and res.violation.prop == 6, res.violation
+        assert "settled-lazy and settled part" in res.violation.message
+        assert replay(res.trace, make_target("reference")).first.prop == 6
+        safe = fuzz(FuzzSpec(kind="sliding", policy="settled-lazy", depth=1,
+                             props=frozenset({1, 2, 3, 4, 5, 7})), examples=200, seed=3)
+        assert safe.violation is None and not safe.vacuous, (safe.violation, safe.vacuous)
+    finally:
+        REGISTRY.pop("settled-lazy")
+
+
 def test_an_unseen_broken_policy_is_caught():
     """A policy the checker was never told about: frees one block too many."""
     from model.policy import REGISTRY, register
