@@ -113,8 +113,11 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         elif spec.kind in ("full", "mamba"):
             groups = (Group(spec.kind),)
         elif spec.kind == "hybrid":
-            second = draw(st.sampled_from(["sliding", "chunked_local"]))
-            groups = (Group("full"), Group(second, window if second == "sliding" else chunk))
+            # full plus one or two local groups (Gemma-, Llama-4-style models)
+            local = draw(st.sampled_from([("sliding",), ("chunked_local",),
+                                          ("sliding", "chunked_local")]))
+            groups = (Group("full"), *(Group(k, window if k == "sliding" else chunk)
+                                       for k in local))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
