@@ -33,6 +33,11 @@ def prefix_key(prompt_len: int, q: int) -> Key:
     return q if q < prompt_len else (prompt_len, q)
 
 
+def key_position(key: Key) -> int:
+    """The position a key names."""
+    return key if isinstance(key, int) else key[1]
+
+
 def describe_key(key: Key | tuple[str, int]) -> str:
     if isinstance(key, int):
         return f"prompt position {key}"

@@ -49,7 +49,7 @@ from model.observations import (
     ReqStep,
     StepObs,
 )
-from model.tokens import describe_key, prefix_key
+from model.tokens import describe_key, key_position, prefix_key
 from model.windows import cached_reads, freeable_blocks, live_bound, read_blocks, reads
 
 PROPERTIES = {
@@ -547,43 +547,47 @@ class Checker:
         a = pp.start
         if P is None:
             return
-        B, content = self.B, self.content
+        content = self.content
         for gi in self._kv_groups:
             g = self.cfg.groups[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for blk in g.spec.reserved_blocks(B):
+            for blk, lg, o, want in self._cache_slots(g, table, a, P):
                 got = content.get(blk)
-                for o in range(B):
-                    want = ("sink", (blk - 1) * B + o)
-                    x = got[o] if got is not None else None
-                    if x is None or isinstance(x, str) or x[0] != want:
-                        self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
-                                   f"[{pp.start}, {pp.end}); every position reads the sink "
-                                   f"({g.label()}, physical blocks "
-                                   f"{', '.join(map(str, g.spec.reserved_blocks(B)))}) but "
-                                   f"block {blk} holds, at sink token {want[1]}, "
-                                   f"{self._what(x, 'the', want)}",
-                                step=pp.step, rid=rs.rid, block=blk)
-                        return
-            for x0, x1 in cached_reads(g, a, P):
-                for lg in range(x0 // B, min(-(-x1 // B), len(table))):
-                    blk = table[lg]
-                    if blk == NULL:
-                        continue  # property 2's NULL check speaks for it
-                    c = content.get(blk)
-                    base = lg * B
-                    for q in range(max(x0, base), min(x1, base + B)):
-                        got = c[q - base] if c is not None else None
-                        want = prefix_key(P, q)
-                        if got is not None and not isinstance(got, str) and got[0] == want:
-                            continue
-                        self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
-                                   f"[{pp.start}, {pp.end}); position {a} reads "
-                                   f"{self._fmt_reads(g, a, P)} ({g.label()}) but block {blk} "
-                                   f"(logical {lg}) holds, at position {q}, "
-                                   f"{self._what(got, rs.rid + chr(39) + 's', want)}",
-                                step=pp.step, rid=rs.rid, block=blk)
-                        return
+                x = got[o] if got is not None else None
+                if x is not None and not isinstance(x, str) and x[0] == want:
+                    continue
+                if lg is None:
+                    where = (f"every position reads the sink ({g.label()}, physical blocks "
+                             f"{', '.join(map(str, g.spec.reserved_blocks(self.B)))}) but "
+                             f"block {blk} holds, at sink token {want[1]}, "
+                             f"{self._what(x, 'the', want)}")
+                else:
+                    whose = f"{rs.rid}'s"
+                    where = (f"position {a} reads {self._fmt_reads(g, a, P)} ({g.label()}) but "
+                             f"block {blk} (logical {lg}) holds, at position "
+                             f"{key_position(want)}, {self._what(x, whose, want)}")
+                self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
+                           f"[{pp.start}, {pp.end}); {where}",
+                        step=pp.step, rid=rs.rid, block=blk)
+                return
+
+    def _cache_slots(self, g: Group, table: tuple[int, ...], a: int, P: int):
+        """Every slot a step starting at ``a`` reads from the cache through
+        ``table``, as ``(block, logical or None for the sink, offset, key)``:
+        the sink's reserved blocks, then its window below ``a`` (NULL slots
+        left to the NULL check)."""
+        B = self.B
+        for blk in g.spec.reserved_blocks(B):
+            for o in range(B):
+                yield blk, None, o, ("sink", (blk - 1) * B + o)
+        for x0, x1 in cached_reads(g, a, P):
+            for lg in range(x0 // B, min(-(-x1 // B), len(table))):
+                blk = table[lg]
+                if blk == NULL:
+                    continue
+                base = lg * B
+                for q in range(max(x0, base), min(x1, base + B)):
+                    yield blk, lg, q - base, prefix_key(P, q)
 
     @staticmethod
     def _what(got, whose: str, want) -> str:

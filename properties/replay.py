@@ -70,18 +70,22 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         c = last_counters.reqs if last_counters is not None else {}
         return [r for r in reqs if r not in c or c[r].status != "finished"]
 
+    def record(i: int, e: Event, o: Observed) -> bool:
+        """Check what event ``e`` (of trace event ``i``) did; True: stop here."""
+        nonlocal last_counters
+        if o.counters is not None:
+            last_counters = o.counters
+        vs = judged(e, o)
+        if props is not None:
+            vs = [v for v in vs if v.prop in props]
+        rows.append(Row(i, e, o, vs, {r: q.p for r, q in checker.reqs.items()}))
+        return bool(vs) and stop_at_first
+
     for i, ev in enumerate(trace.events):
         if isinstance(ev, Drain):
             def step(e: Event, i: int = i) -> Observed:
-                nonlocal last_counters
                 o = tgt.apply(e)
-                if o.counters is not None:
-                    last_counters = o.counters
-                vs = judged(e, o)
-                if props is not None:
-                    vs = [v for v in vs if v.prop in props]
-                rows.append(Row(i, e, o, vs, {r: q.p for r, q in checker.reqs.items()}))
-                if vs and stop_at_first:
+                if record(i, e, o):
                     raise _Stop
                 return o
 
@@ -112,13 +116,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         except Exception:  # noqa: BLE001
             crash = f"{tgt.name} raised on event {i} ({ev}):\n{traceback.format_exc()}"
             break
-        if obs.counters is not None:
-            last_counters = obs.counters
-        vs = judged(ev, obs)
-        if props is not None:
-            vs = [v for v in vs if v.prop in props]
-        rows.append(Row(i, ev, obs, vs, {r: q.p for r, q in checker.reqs.items()}))
-        if vs and stop_at_first:
+        if record(i, ev, obs):
             break
     found = [v for v in checker.violations if props is None or v.prop in props]
     return ReplayResult(trace, rows, found, dict(checker.witness), crash)

@@ -66,12 +66,16 @@ class SingleTypeManager:
         (the skipped slots of earlier calls), like vLLM's
         ``_remove_blocks_in_range``. Returns the freed ``(logical, block)``
         in the order they go back to the pool."""
-        n_skip = self.get_num_skipped_tokens(basis) // self.B
+        return self._remove_range(rid, 0, self.get_num_skipped_tokens(basis) // self.B)
+
+    def _remove_range(self, rid: str, first: int, last: int) -> list[Change]:
+        """Free the slots ``[first, last)`` (capped at the table), backward
+        from ``last - 1`` to the first NULL (vLLM's ``_remove_blocks_in_range``)."""
         table = self.tables.get(rid)
-        if n_skip <= 0 or not table:
+        if not table or last <= first:
             return []
         freed: list[Change] = []
-        for i in range(min(n_skip, len(table)) - 1, -1, -1):
+        for i in range(min(last, len(table)) - 1, first - 1, -1):
             b = table[i]
             if b == NULL:
                 break
@@ -225,22 +229,10 @@ class RSWAManager(FullAttentionManager):
         self.window = group.param
 
     def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:
-        table = self.tables.get(rid)
         P = self.prompt_len.get(rid)
-        if not table or P is None:
+        if P is None:
             return []
-        first = cdiv(P, self.B)
-        last = min(max(P, basis - self.window) // self.B, len(table))
-        freed: list[Change] = []
-        for i in range(last - 1, first - 1, -1):  # backward, to the last call's NULLs
-            b = table[i]
-            if b == NULL:
-                break
-            freed.append((i, b))
-            table[i] = NULL
-        if freed:
-            self.pool.free_blocks([b for _, b in freed])
-        return freed
+        return self._remove_range(rid, cdiv(P, self.B), max(P, basis - self.window) // self.B)
 
     def read_slots(self, rid: str, n: int) -> list[int]:
         P = self.prompt_len[rid]
