@@ -199,6 +199,9 @@ class Checker:
         # A block handed out afresh holds nothing; a prefix hit keeps what the
         # block holds. Attention groups only (a Mamba block holds one state).
         self.content: dict[int, list] = {}
+        self._ver: dict[int, int] = {}  # block -> how often its content changed
+        # request ("" for the sink) -> block -> (version, first, end offset) found good
+        self._ok: dict[str, dict[int, tuple[int, int, int]]] = {}
         self.prompt_len: dict[str, int] = {}
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
@@ -236,6 +239,7 @@ class Checker:
                 self._process(item)
             elif isinstance(item, FinishObs):
                 self.reqs[item.rid].ended = True
+                self._ok.pop(item.rid, None)
                 self.mark_dead(item.rid)
         if self._any_deferred:
             left = False
@@ -345,6 +349,7 @@ class Checker:
             if self.bad:
                 self.bad.pop(a.block, None)
             self.content.pop(a.block, None)
+            self._ver[a.block] = self._ver.get(a.block, 0) + 1
         self.holder[key] = a.block
         self.refs[a.block] = n + 1
         if n == 0:
@@ -531,6 +536,7 @@ class Checker:
                 c = content.get(blk)
                 if c is None:
                     c = content[blk] = [None] * B
+                self._ver[blk] = self._ver.get(blk, 0) + 1
                 base = lg * B
                 for q in range(max(a, base), min(e, base + B)):
                     c[q - base] = why or (prefix_key(P, q), step, rid)
@@ -541,53 +547,64 @@ class Checker:
         it, for this request's own token prefix: not nothing (a slot no one
         wrote since the block was handed out), not another prefix's KV (a stale
         block), not a rejected draft's. A sink group's reserved blocks must
-        hold the sink's KV, which every step reads."""
+        hold the sink's KV, which every step reads. A block range already found
+        good for the request at the block's current version is not read again
+        (a block's version moves with every write), so a step costs its window's
+        blocks, not its positions."""
         rs = pp.rs
-        P = self.prompt_len.get(rs.rid)
+        rid = rs.rid
+        P = self.prompt_len.get(rid)
         a = pp.start
         if P is None:
             return
-        content = self.content
+        B, content, ver = self.B, self.content, self._ver
         for gi in self._kv_groups:
             g = self.cfg.groups[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for blk, lg, o, want in self._cache_slots(g, table, a, P):
-                got = content.get(blk)
-                x = got[o] if got is not None else None
-                if x is not None and not isinstance(x, str) and x[0] == want:
+            for blk, lg, x, y in self._cache_ranges(g, table, a, P):
+                ok = self._ok.setdefault(rid if lg is not None else "", {})
+                v = ver.get(blk, 0)
+                seen = ok.get(blk)
+                if seen is not None and seen[0] == v and seen[1] <= x and y <= seen[2]:
                     continue
-                if lg is None:
-                    where = (f"every position reads the sink ({g.label()}, physical blocks "
-                             f"{', '.join(map(str, g.spec.reserved_blocks(self.B)))}) but "
-                             f"block {blk} holds, at sink token {want[1]}, "
-                             f"{self._what(x, 'the', want)}")
-                else:
-                    whose = f"{rs.rid}'s"
-                    where = (f"position {a} reads {self._fmt_reads(g, a, P)} ({g.label()}) but "
-                             f"block {blk} (logical {lg}) holds, at position "
-                             f"{key_position(want)}, {self._what(x, whose, want)}")
-                self._v(2, f"step {pp.step} ({when}) computes {rs.rid} positions "
-                           f"[{pp.start}, {pp.end}); {where}",
-                        step=pp.step, rid=rs.rid, block=blk)
-                return
+                c = content.get(blk)
+                for o in range(x, y):
+                    want = ("sink", (blk - 1) * B + o) if lg is None else prefix_key(P, lg * B + o)
+                    got = c[o] if c is not None else None
+                    if got is not None and not isinstance(got, str) and got[0] == want:
+                        continue
+                    if lg is None:
+                        where = (f"every position reads the sink ({g.label()}, physical blocks "
+                                 f"{', '.join(map(str, g.spec.reserved_blocks(B)))}) but "
+                                 f"block {blk} holds, at sink token {want[1]}, "
+                                 f"{self._what(got, 'the', want)}")
+                    else:
+                        whose = f"{rid}'s"
+                        where = (f"position {a} reads {self._fmt_reads(g, a, P)} ({g.label()}) "
+                                 f"but block {blk} (logical {lg}) holds, at position "
+                                 f"{key_position(want)}, {self._what(got, whose, want)}")
+                    self._v(2, f"step {pp.step} ({when}) computes {rid} positions "
+                               f"[{pp.start}, {pp.end}); {where}",
+                            step=pp.step, rid=rid, block=blk)
+                    return
+                if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
+                    x, y = min(x, seen[1]), max(y, seen[2])
+                ok[blk] = (v, x, y)
 
-    def _cache_slots(self, g: Group, table: tuple[int, ...], a: int, P: int):
-        """Every slot a step starting at ``a`` reads from the cache through
-        ``table``, as ``(block, logical or None for the sink, offset, key)``:
-        the sink's reserved blocks, then its window below ``a`` (NULL slots
-        left to the NULL check)."""
+    def _cache_ranges(self, g: Group, table: tuple[int, ...], a: int, P: int):
+        """The slots a step starting at ``a`` reads from the cache through
+        ``table``, per block as ``(block, logical or None for the sink, first
+        offset, end offset)``: the sink's reserved blocks, then its window
+        below ``a`` (NULL slots left to the NULL check)."""
         B = self.B
         for blk in g.spec.reserved_blocks(B):
-            for o in range(B):
-                yield blk, None, o, ("sink", (blk - 1) * B + o)
+            yield blk, None, 0, B
         for x0, x1 in cached_reads(g, a, P):
             for lg in range(x0 // B, min(-(-x1 // B), len(table))):
                 blk = table[lg]
-                if blk == NULL:
-                    continue
-                base = lg * B
-                for q in range(max(x0, base), min(x1, base + B)):
-                    yield blk, lg, q - base, prefix_key(P, q)
+                if blk != NULL:
+                    base = lg * B
+                    yield blk, lg, max(x0, base) - base, min(x1, base + B) - base
 
     @staticmethod
     def _what(got, whose: str, want) -> str:
