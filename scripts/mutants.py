@@ -281,8 +281,8 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "mamba", *_ASYNC), frozenset({1, 2}), subject="reference"),
     Mutant(
         "ref-skipped-blocks-round-up", REF + "managers.py",
-        "        return self._remove_range(rid, 0, self.get_num_skipped_tokens(basis) // self.B)\n",
-        "        return self._remove_range(rid, 0, -(-self.get_num_skipped_tokens(basis) // self.B))\n",
+        "rid, 0, self.get_num_skipped_tokens(basis) // self.B)\n",
+        "rid, 0, -(-self.get_num_skipped_tokens(basis) // self.B))\n",
         "the reference rounds skipped tokens up to whole blocks",
         ("--kind", "sliding", "--depth", "1"), frozenset({1, 2}), subject="reference"),
     Mutant(
