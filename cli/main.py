@@ -278,14 +278,9 @@ def _validate_spec(spec, a) -> None:
 
 
 def _check_capabilities(target, spec) -> None:
-    caps = target.capabilities
-    if spec.kind not in caps.kinds:
-        raise Unsupported(f"target {target.name} does not support kind {spec.kind}")
-    if caps.fixed_policy and spec.policy not in ("settled", caps.fixed_policy):
-        raise Unsupported(f"target {target.name} implements the {caps.fixed_policy} policy; "
-                          f"--policy {spec.policy} applies to the reference target only")
-    if caps.fixed_policy:
-        spec.policy = caps.fixed_policy
+    from impl.target import fit_spec
+
+    fit_spec(target.name, target.capabilities, spec)
 
 
 def _print_report(rr, out: Path, name: str, target: str) -> None:

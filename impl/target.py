@@ -40,7 +40,28 @@ class Capabilities:
     prefix_caching: bool = True
     reports_in_flight: bool = True  # counters carry num_in_flight_tokens
     fixed_policy: str | None = None  # the policy the target implements, if not configurable
+    # per kind, fuzz options the target needs: (FuzzSpec field, value, why); a
+    # field left to be drawn takes the value, one set otherwise is refused
+    pinned: dict[str, tuple[tuple[str, object, str], ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
+    """Fit a fuzz spec to what the target can run, or raise Unsupported: the
+    kind, the policy it implements, the options a kind needs on it."""
+    if spec.kind not in caps.kinds:
+        raise Unsupported(f"target {target_name} does not support kind {spec.kind}")
+    if caps.fixed_policy and spec.policy not in ("settled", caps.fixed_policy):
+        raise Unsupported(f"target {target_name} implements the {caps.fixed_policy} policy; "
+                          f"--policy {spec.policy} applies to the reference target only")
+    if caps.fixed_policy:
+        spec.policy = caps.fixed_policy
+    for name, value, why in caps.pinned.get(spec.kind, ()):
+        have = getattr(spec, name)
+        if have is None:
+            setattr(spec, name, value)
+        elif have != value:
+            raise Unsupported(f"target {target_name}, kind {spec.kind}: {why}")
 
 
 class Target(Protocol):

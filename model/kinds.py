@@ -69,10 +69,13 @@ class Kind:
         return (*w[:-1], (w[-1][0], e))
 
     def span_blocks(self, a: int, e: int, block_size: int,
-                    prompt_len: int | None = None) -> list[int]:
+                    prompt_len: int | None = None) -> range | list[int]:
         """Logical blocks a step computing ``[a, e)`` reads (empty if none)."""
         if e <= a:
-            return []
+            return range(0)
+        w = self.span(a, e, prompt_len)
+        if len(w) == 1:
+            return range(w[0][0] // block_size, (w[0][1] - 1) // block_size + 1)
         out: list[int] = []
         for x, y in self.span(a, e, prompt_len):
             first, last = x // block_size, (y - 1) // block_size
@@ -197,6 +200,22 @@ class Mamba(Kind):
 
     def lo(self, t: int) -> int:
         return max(0, t - 1)
+
+    def span_blocks(self, a: int, e: int, block_size: int,
+                    prompt_len: int | None = None) -> range | list[int]:
+        """A step computing ``[a, e)`` reads the state after ``a - 1`` and
+        writes the state after ``e - 1``; the states in between never leave
+        the kernel, so their slots may be NULL (vLLM's ``align`` mode keeps
+        only the last block of a prefill chunk)::
+
+            a = 4, e = 12, B = 4   [ 0..3 | 4..7 | 8..11 ]
+                                      in     NULL    out
+        """
+        if e <= a:
+            return range(0)
+        last = (e - 1) // block_size
+        first = (a - 1) // block_size if a > 0 else last
+        return [first, last] if first < last else [last]
 
     def live_span(self, ahead: int) -> int | None:
         return 1 + ahead

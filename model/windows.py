@@ -59,10 +59,7 @@ def read_blocks(g: Group, start: int, end: int, block_size: int,
     """Logical blocks read by computing positions ``[start, end)`` (empty if none)."""
     if end <= start:
         return range(0)
-    spec = g.spec
-    if prompt_len is None and g.kind != "rswa":
-        return range(spec.lo(start) // block_size, (end - 1) // block_size + 1)
-    return spec.span_blocks(start, end, block_size, prompt_len)
+    return g.spec.span_blocks(start, end, block_size, prompt_len)
 
 
 def cached_reads(g: Group, a: int, prompt_len: int | None = None) -> Ranges:

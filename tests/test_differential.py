@@ -17,7 +17,6 @@ skips.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -39,7 +38,10 @@ from tests.vllm_targets import vllm_target
 pytestmark = pytest.mark.vllm
 
 VERSION = "0.33.0"
-KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
+# Mamba is left out: vLLM builds block-sized Mamba states only in "align" mode
+# (prefill split at block edges, only a chunk's last state kept), which the
+# reference manager does not mirror, so the two tables differ by design.
+KINDS = ("full", "sliding", "chunked_local", "hybrid")
 TRACES_PER_KIND = 5
 LENGTH = 40
 MAX_CHECKS = 20_000  # can_apply calls while building one trace (a stuck generator)
@@ -56,10 +58,6 @@ def random_config(kind: str, rng: random.Random):
         spec_tokens=rng.choice([0, 2]), policy="settled",
         hazard=rng.choice(["ordered", "unordered"]), prefix_caching=rng.random() < 0.3,
         window=rng.choice([4, 16, 24]), chunk=32)
-    if kind == "mamba" and cfg.prefix_caching:
-        # vLLM 0.33 caches Mamba prefixes only in "align" mode (another block
-        # layout): the vLLM target refuses that config.
-        cfg = replace(cfg, prefix_caching=False)
     return cfg
 
 

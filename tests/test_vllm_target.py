@@ -328,3 +328,44 @@ def test_install_script_is_a_no_op_when_installed_and_refuses_bad_versions():
     bad = subprocess.run(["bash", "scripts/install-vllm.sh", "0.20.0"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------- Mamba layouts
+
+
+def test_mamba_runs_in_align_mode_and_keeps_only_the_last_state_of_a_chunk():
+    """With prefix caching vLLM builds block-sized Mamba states ("align"): a
+    prefill chunk leaves NULL slots before the block of its last position, and
+    a step reads only the state before it and the state it writes."""
+    cfg = config_for("mamba", block_size=16, prefix_caching=True, spec_tokens=0,
+                     max_num_batched_tokens=64, depth=2)
+    obs = run(FIXED, cfg, [AddRequest("r0", 40, 4), Schedule()])
+    s = step_of(obs[1])
+    (rs,) = s.reqs
+    # the chunk ends on a block edge (vLLM's _mamba_block_aligned_split)
+    assert (rs.start, rs.end) == (0, 32)
+    assert rs.tables[0][0] == NULL and rs.tables[0][1] != NULL
+    assert list(read_blocks(cfg.groups[0], 0, 32, 16)) == [1]
+
+
+@pytest.mark.parametrize("over,why", [({"prefix_caching": False}, "max_model_len"),
+                                      ({"spec_tokens": 2}, "relocate speculative")])
+def test_mamba_layouts_vllm_does_not_build_are_refused(over, why):
+    kw = dict(block_size=16, prefix_caching=True, spec_tokens=0, depth=2)
+    kw.update(over)
+    t = target(FIXED)
+    with pytest.raises(Unsupported, match=why):
+        t.reset(config_for("mamba", **kw))
+
+
+def test_pinned_options_fill_what_is_drawn_and_refuse_what_contradicts():
+    from impl.target import fit_spec
+    from properties.machine import FuzzSpec
+
+    caps = target(FIXED).capabilities
+    spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled")
+    fit_spec("vllm", caps, spec)
+    assert (spec.prefix_caching, spec.spec_tokens) == (True, 0)
+    spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled", spec_tokens=1)
+    with pytest.raises(Unsupported, match="--spec-tokens 0"):
+        fit_spec("vllm", caps, spec)

@@ -377,6 +377,14 @@ class VllmTarget:
             policies=frozenset({"settled" if in_flight else "optimistic"}),
             reports_in_flight=in_flight,
             fixed_policy="settled" if in_flight else "optimistic",
+            pinned={"mamba": (
+                ("prefix_caching", True, "without prefix caching vLLM sizes a Mamba block to "
+                 "max_model_len ('none' mode), a layout with one slot per request; fuzz "
+                 "Mamba with --prefix-caching on ('align' mode)"),
+                ("spec_tokens", 0, "drafts in vLLM's Mamba 'align' mode move speculative "
+                 "blocks inside the block table, which the checker does not model yet; "
+                 "use --spec-tokens 0"),
+            )},
             notes=(
                 "config.policy is ignored: vLLM implements fixed_policy",
                 "external tokens need hazard=unordered (a KV-consumer connector)",

@@ -209,6 +209,8 @@ class Driver:
             block_size=cfg.block_size if not probe else 16,
             enable_prefix_caching=bool(cfg.prefix_caching) if not probe else False,
         )
+        if not probe and any(g.kind == "mamba" for g in cfg.groups):
+            cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
         kw: dict[str, Any] = {}
         if not probe and cfg.spec_tokens:
             kw["speculative_config"] = c["SpeculativeConfig"](
@@ -245,12 +247,19 @@ class Driver:
                 raise ConfigUnsupported(f"vllm {self.version} has no static sink attention")
             return kvi.SinkFullAttentionSpec(**common, sink_len=param)
         if kind == "mamba":
-            # One state slot per B tokens, kept for the last computed token
-            # ("none" cache mode); a real model sets num_speculative_blocks
-            # to the number of spec tokens.
+            # vLLM builds block-sized Mamba states only with prefix caching
+            # ("align" mode: a state per block boundary, the last one kept);
+            # without it a Mamba block holds max_model_len tokens.
+            if not cfg.prefix_caching:
+                raise ConfigUnsupported(
+                    "without prefix caching vLLM sizes a Mamba block to max_model_len "
+                    "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
+            if cfg.spec_tokens:
+                raise ConfigUnsupported(
+                    "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
+                    "the block table (_relocate_speculative_block), not modeled yet")
             return kvi.MambaSpec(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
-                                 mamba_cache_mode="none",
-                                 num_speculative_blocks=cfg.spec_tokens)
+                                 mamba_cache_mode="align")
         raise ConfigUnsupported(f"unknown kind {kind!r}")
 
     def reset(self, cfg: Config) -> Observed:
@@ -259,7 +268,7 @@ class Driver:
         cls, async_, pp = self._depth_mode(cfg.depth)
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
-               cfg.hazard)
+               cfg.hazard, any(g.kind == "mamba" for g in cfg.groups))
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:

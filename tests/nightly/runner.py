@@ -131,7 +131,7 @@ def run_row(row: dict, seconds: float, db_path: str, reports: Path) -> dict:
 
 
 def _run(row: dict, seconds: float, db_path: str, reports: Path, out: dict) -> None:
-    from impl.target import make_target
+    from impl.target import fit_spec, make_target
     from properties.database import open_database
     from properties.machine import FuzzSpec
     from properties.replay import format_timeline, replay
@@ -145,12 +145,11 @@ def _run(row: dict, seconds: float, db_path: str, reports: Path, out: dict) -> N
                     aligned_loads=k.get("aligned_loads", True),
                     fail_loads=k.get("failed_loads", True), max_steps=k.get("steps"))
     target = make_target(row["target"])
-    caps = target.capabilities
-    if spec.kind not in caps.kinds:
-        out.update(verdict="UNSUPPORTED", detail=f"{row['target']} does not support {spec.kind}")
+    try:
+        fit_spec(row["target"], target.capabilities, spec)
+    except Unsupported as e:
+        out.update(verdict="UNSUPPORTED", detail=str(e))
         return
-    if caps.fixed_policy:
-        spec.policy = caps.fixed_policy
     run = fuzz_for(spec, seconds, open_database(db_path), target)
     res = run["result"]
     out.update(examples=run["examples"], events=dict(run["events"]),
