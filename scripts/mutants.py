@@ -101,6 +101,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "Mamba lets go of the state block of the last computed token",
         ("--kind", "mamba", *_ASYNC), frozenset({1, 2})),
     Mutant(
+        "mamba-align-frees-state-early", CORE + "single_type_kv_cache_manager.py",
+        "                < cdiv(processed_computed_tokens, self.block_size) - 1\n",
+        "                < cdiv(processed_computed_tokens, self.block_size)\n",
+        "Mamba's align mode retires the previous state block while the step that copies "
+        "it is still in flight",
+        ("--kind", "mamba", *_ASYNC), frozenset({1, 2})),
+    Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
         "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",
