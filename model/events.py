@@ -21,6 +21,7 @@ from typing import Any
 
 from .kinds import KINDS as KIND_CLASSES
 from .kinds import Kind, make_kind
+from .tokens import MAX_VARIANT
 
 TRACE_VERSION = 1
 
@@ -39,12 +40,15 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class AddRequest:
     """A new request: ``prompt_len`` prompt tokens, the first ``external_tokens``
-    of which a KV connector offers to load instead of computing."""
+    of which a KV connector offers to load instead of computing. ``variant``
+    picks the prompt (:func:`model.tokens.prompt_token`): variant ``v > 0``
+    differs from variant 0 at position ``v - 1`` only."""
 
     id: str
     prompt_len: int
     max_new_tokens: int
     external_tokens: int = 0
+    variant: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,8 @@ EVENT_TYPES: dict[str, type] = {
 def event_to_json(ev: Event) -> dict[str, Any]:
     d = {"type": type(ev).__name__}
     d.update(asdict(ev))
+    if isinstance(ev, AddRequest) and not ev.variant:
+        del d["variant"]  # the common prompt, as traces written before variants
     return d
 
 
@@ -415,6 +421,8 @@ def check_consistent(t: Trace) -> None:
                 raise TraceError(f"{where}: prompt_len and max_new_tokens must be >= 1")
             if ev.external_tokens >= ev.prompt_len:
                 raise TraceError(f"{where}: external_tokens must be below prompt_len")
+            if not 0 <= ev.variant <= MAX_VARIANT:
+                raise TraceError(f"{where}: variant must be in 0..{MAX_VARIANT}")
             if ev.prompt_len + ev.max_new_tokens > cfg.max_model_len:
                 raise TraceError(f"{where}: prompt_len + max_new_tokens exceeds max_model_len")
             seen.add(ev.id)

@@ -203,6 +203,7 @@ class Checker:
         # request ("" for the sink) -> block -> (version, first, end offset) found good
         self._ok: dict[str, dict[int, tuple[int, int, int]]] = {}
         self.prompt_len: dict[str, int] = {}
+        self.variant: dict[str, int] = {}  # prompt variants other than 0
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
@@ -224,6 +225,8 @@ class Checker:
         self._let_go: set[str] = set()  # requests that dropped a reference in this event
         if isinstance(event, AddRequest):
             self.prompt_len[event.id] = event.prompt_len
+            if event.variant:
+                self.variant[event.id] = event.variant
         elif isinstance(event, FailLoad):
             self.failing.add(event.id)
             k = self.fail_from.get(event.id, event.first_bad_block)
@@ -527,6 +530,7 @@ class Checker:
         if P is None or e <= a:
             return
         B, content = self.B, self.content
+        V = self.variant.get(rid, 0)
         for gi in self._kv_groups:
             table = tables[gi] if gi < len(tables) else ()
             for lg in range(a // B, min(-(-e // B), len(table))):
@@ -539,7 +543,7 @@ class Checker:
                 self._ver[blk] = self._ver.get(blk, 0) + 1
                 base = lg * B
                 for q in range(max(a, base), min(e, base + B)):
-                    c[q - base] = why or (prefix_key(P, q), step, rid)
+                    c[q - base] = why or (prefix_key(P, q, V), step, rid)
 
     def _check_content(self, pp: _Pending, when: str) -> None:
         """Every position a step part reads from the cache (its window below
@@ -558,6 +562,7 @@ class Checker:
         if P is None:
             return
         B, content, ver = self.B, self.content, self._ver
+        V = self.variant.get(rid, 0)
         for gi in self._kv_groups:
             g = self.cfg.groups[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
@@ -569,7 +574,8 @@ class Checker:
                     continue
                 c = content.get(blk)
                 for o in range(x, y):
-                    want = ("sink", (blk - 1) * B + o) if lg is None else prefix_key(P, lg * B + o)
+                    want = (("sink", (blk - 1) * B + o) if lg is None
+                            else prefix_key(P, lg * B + o, V))
                     got = c[o] if c is not None else None
                     if got is not None and not isinstance(got, str) and got[0] == want:
                         continue

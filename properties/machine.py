@@ -42,6 +42,7 @@ from model.events import (
     Trace,
 )
 from model.observations import Observed
+from model.tokens import MAX_VARIANT
 from properties.invariants import Checker, Violation, expected_witnesses
 from properties.twin import Twin
 
@@ -160,7 +161,7 @@ class KVMachine(RuleBasedStateMachine):
         can = getattr(cls.target, "can_apply", None)
         if can is not None and not can(ev):
             if isinstance(ev, AddRequest) and ev.external_tokens:
-                ev = AddRequest(ev.id, ev.prompt_len, ev.max_new_tokens, 0)
+                ev = AddRequest(ev.id, ev.prompt_len, ev.max_new_tokens, 0, ev.variant)
             if not can(ev):
                 cls.stats.refused[type(ev).__name__] += 1
                 reject()
@@ -245,9 +246,15 @@ class KVMachine(RuleBasedStateMachine):
         elif self.spec.external and prompt > B:
             # block-granular connectors (offloading, LMCache, ...) offer whole blocks
             ext = B * data.draw(st.integers(0, (prompt - 1) // B), label="external_blocks")
+        variant = 0
+        if cfg.prefix_caching:
+            # another prompt that shares every block past its one differing
+            # token: a prefix hit must not hand it variant 0's KV
+            variant = data.draw(st.one_of(st.just(0), st.integers(1, MAX_VARIANT)),
+                                label="variant")
         rid = f"r{len(self.added)}"
         self.added.append(rid)
-        self._apply(AddRequest(rid, prompt, new, ext))
+        self._apply(AddRequest(rid, prompt, new, ext, variant))
 
     @precondition(lambda self: self.cfg is not None
                   and self.checker.in_flight_steps() < self.cfg.depth

@@ -58,8 +58,8 @@ def _lower_one(events, violating_prefix, block_size: int):
     for i, ev in enumerate(events):
         if not isinstance(ev, AddRequest):
             continue
-        for field in ("external_tokens", "max_new_tokens", "prompt_len"):
-            lo = 0 if field == "external_tokens" else 1
+        for field in ("variant", "external_tokens", "max_new_tokens", "prompt_len"):
+            lo = 0 if field in ("variant", "external_tokens") else 1
             val = getattr(ev, field)
             for smaller in sorted({lo, val // 2, val - 1}):
                 if field == "external_tokens" and val % block_size == 0:

@@ -176,7 +176,7 @@ def _fmt_event(ev: Event) -> str:
     if not args:
         return f"{name}()"
     inner = ", ".join(f"{k}={v!r}" if k != "id" else repr(v) for k, v in args.items()
-                      if not (k in ("external_tokens", "accepted") and not v))
+                      if not (k in ("external_tokens", "variant", "accepted") and not v))
     return f"{name}({inner})"
 
 

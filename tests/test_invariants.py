@@ -28,8 +28,8 @@ def checker(kind="full", **kw):
     return Checker(config_for(kind, block_size=B, depth=2, **kw))
 
 
-def add(ch, rid, prompt):
-    return ch.feed(AddRequest(rid, prompt, 8), Observed([]))
+def add(ch, rid, prompt, variant=0):
+    return ch.feed(AddRequest(rid, prompt, 8, variant=variant), Observed([]))
 
 
 def schedule(ch, step, parts, allocs=()):
@@ -55,6 +55,33 @@ def test_the_token_model_names_prefixes():
     assert prefix_key(5, 6) == prefix_key(5, 6)
     assert all(prompt_token(t) != OUTPUT_TOKEN for t in range(5000))
     assert "5-token prompt" in describe_key(prefix_key(5, 6))
+
+
+def test_prompt_variants_share_tokens_past_one_position_but_not_the_prefix():
+    # variant 2 differs from variant 0 at position 1 only
+    assert prompt_token(1, 2) != prompt_token(1, 0)
+    assert [prompt_token(t, 2) for t in range(2, 40)] == [prompt_token(t) for t in range(2, 40)]
+    assert prompt_token(1, 2) != OUTPUT_TOKEN
+    assert prefix_key(9, 0, 2) == prefix_key(9, 0)  # before the differing token
+    assert prefix_key(9, 1, 2) != prefix_key(9, 1)
+    assert prefix_key(9, 5, 2) != prefix_key(9, 5)  # same token, another prefix
+    assert prefix_key(9, 12, 2) != prefix_key(9, 12)
+    assert prefix_key(9, 5, 2) != prefix_key(9, 5, 3)
+    assert prefix_key(2, 5, 4) == prefix_key(2, 5)  # a 2-token prompt never reaches position 3
+    assert "variant 2" in describe_key(prefix_key(9, 5, 2))
+
+
+def test_a_hit_on_another_variants_block_reads_stale_kv():
+    """b's prompt differs from a's at position 0 only: block 1 holds the same
+    tokens for both, but a's KV there was computed under another prefix."""
+    ch = checker("sliding", window=2)
+    add(ch, "a", 8)
+    add(ch, "b", 8, variant=1)
+    assert not schedule(ch, 0, [("a", 0, 8, (1, 2))],
+                        [("a", 0, 1, False), ("a", 1, 2, False)])
+    msg = only_prop2(schedule(ch, 1, [("b", 7, 9, (0, 2, 3))],
+                              [("b", 1, 2, True), ("b", 2, 3, False)]))
+    assert "block 2" in msg and "variant 1" in msg
 
 
 def test_a_hit_on_a_block_written_in_an_earlier_step_or_the_same_step_is_good():

@@ -34,6 +34,11 @@ def test_trace_round_trip(tmp_path):
     back = Trace.load(p)
     assert back.config == t.config
     assert back.events == t.events
+    # a prompt variant travels; variant 0 is left out, as traces before variants
+    v = Trace(t.config, [AddRequest("r0", 10, 2, variant=3), AddRequest("r1", 10, 2)])
+    d = json.loads(v.dumps())
+    assert d["events"][0]["variant"] == 3 and "variant" not in d["events"][1]
+    assert Trace.from_json(d).events == v.events
 
 
 def test_save_never_overwrites(tmp_path):
@@ -60,6 +65,8 @@ def test_save_never_overwrites(tmp_path):
     (lambda d: d["events"][0].update(prompt_len=-3), ">= 0"),
     (lambda d: d["events"][0].update(prompt_len="many"), "integer"),
     (lambda d: d["events"][0].update(external_tokens=100), "external_tokens"),
+    (lambda d: d["events"][0].update(variant=5), "variant"),
+    (lambda d: d["events"][0].update(variant="b"), "integer"),
     (lambda d: d["events"][3].update(accepted={"r0": 7}), "spec_tokens"),
 ])
 def test_malformed_traces_are_one_line_errors(mutate, fragment):

@@ -37,35 +37,38 @@ from model.tokens import OUTPUT_TOKEN, prompt_token
 NULL = 0
 
 
-_HASH_CHAINS: dict[int, list[int]] = {}
-_REQUEST_CHAINS: dict[tuple[int, int], list[int]] = {}
+_HASH_CHAINS: dict[tuple[int, int], list[int]] = {}
+_REQUEST_CHAINS: dict[tuple[int, int, int], list[int]] = {}
 
 
-def block_hashes(block_size: int, num_blocks: int) -> list[int]:
-    """Chained hashes of the first ``num_blocks`` full blocks of the prompt stream.
+def block_hashes(block_size: int, num_blocks: int, variant: int = 0) -> list[int]:
+    """Chained hashes of the first ``num_blocks`` full blocks of a prompt variant.
 
     ``hash[i]`` covers positions ``[0, (i+1)*B)``, like vLLM's ``hash_block_tokens``
     (parent hash + this block's tokens). Shared by every request (memoized)."""
-    chain = _HASH_CHAINS.setdefault(block_size, [])
+    chain = _HASH_CHAINS.setdefault((block_size, variant), [])
     parent = chain[-1] if chain else 0
     for i in range(len(chain), num_blocks):
-        tokens = tuple(prompt_token(t) for t in range(i * block_size, (i + 1) * block_size))
+        tokens = tuple(prompt_token(t, variant)
+                       for t in range(i * block_size, (i + 1) * block_size))
         parent = hash((parent, tokens))
         chain.append(parent)
     return chain
 
 
-def request_block_hashes(block_size: int, prompt_len: int, num_blocks: int) -> list[int]:
+def request_block_hashes(block_size: int, prompt_len: int, num_blocks: int,
+                         variant: int = 0) -> list[int]:
     """Chained hashes of the first ``num_blocks`` full blocks of a request with
-    ``prompt_len`` prompt tokens followed by generated ones (memoized)."""
+    ``prompt_len`` prompt tokens of ``variant`` followed by generated ones
+    (memoized)."""
     full = prompt_len // block_size
-    key = (block_size, prompt_len)
+    key = (block_size, prompt_len, variant)
     chain = _REQUEST_CHAINS.get(key)
     if chain is None:
-        chain = _REQUEST_CHAINS[key] = list(block_hashes(block_size, full)[:full])
+        chain = _REQUEST_CHAINS[key] = list(block_hashes(block_size, full, variant)[:full])
     parent = chain[-1] if chain else 0
     for i in range(len(chain), num_blocks):
-        tokens = tuple(prompt_token(t) if t < prompt_len else OUTPUT_TOKEN
+        tokens = tuple(prompt_token(t, variant) if t < prompt_len else OUTPUT_TOKEN
                        for t in range(i * block_size, (i + 1) * block_size))
         parent = hash((parent, tokens))
         chain.append(parent)

@@ -96,9 +96,9 @@ class Coordinator:
         for m in self.managers:
             self._alloc(rid, m.gid, m.allocate_new_blocks(rid, num_tokens), False)
 
-    def hashes(self, prompt_len: int) -> list[int]:
-        """Block hashes of a request with ``prompt_len`` prompt tokens."""
-        return request_block_hashes(self.B, prompt_len, self.num_hashes)
+    def hashes(self, prompt_len: int, variant: int = 0) -> list[int]:
+        """Block hashes of a request with ``prompt_len`` prompt tokens of ``variant``."""
+        return request_block_hashes(self.B, prompt_len, self.num_hashes, variant)
 
     def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
         for m in self.managers:

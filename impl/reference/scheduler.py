@@ -69,14 +69,16 @@ from .coordinator import Coordinator, Held
 
 class Request:
     __slots__ = (
-        "rid", "prompt_len", "max_new", "external", "status", "computed", "in_flight",
+        "rid", "prompt_len", "variant", "max_new", "external", "status", "computed", "in_flight",
         "loading", "spec", "generated", "offered", "entries", "stale",
         "last_step", "prefill_chunk", "drafts", "next_decode",
     )
 
-    def __init__(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
+    def __init__(self, rid: str, prompt_len: int, max_new: int, external: int,
+                 variant: int = 0) -> None:
         self.rid = rid
         self.prompt_len = prompt_len
+        self.variant = variant
         self.max_new = max_new
         self.external = external
         self.status = "waiting"  # waiting | running | preempted | finished
@@ -163,8 +165,9 @@ class Scheduler:
 
     # ================================================================ events
 
-    def add_request(self, rid: str, prompt_len: int, max_new: int, external: int) -> None:
-        r = Request(rid, prompt_len, max_new, external)
+    def add_request(self, rid: str, prompt_len: int, max_new: int, external: int,
+                    variant: int = 0) -> None:
+        r = Request(rid, prompt_len, max_new, external, variant)
         self.coord.prompt_len[rid] = prompt_len
         self.requests[rid] = r
         self.waiting.append(r)
@@ -433,7 +436,7 @@ class Scheduler:
 
     def _cache(self, r: Request, upto: int) -> None:
         known = r.prompt_len + r.generated
-        self.coord.cache_blocks(r.rid, min(upto, known), self.coord.hashes(r.prompt_len))
+        self.coord.cache_blocks(r.rid, min(upto, known), self.coord.hashes(r.prompt_len, r.variant))
 
     def _admit_waiting(self, budget: int, entries: list[Entry], prefill: bool) -> int:
         """Admit waiting requests in order while budget and ``max_num_seqs``
@@ -458,7 +461,7 @@ class Scheduler:
                 # Recompute at least the last known token.
                 max_len = (known - 1) // B * B
                 hits, hit = self.coord.find_longest_cache_hit(
-                    max_len, self.coord.hashes(r.prompt_len))
+                    max_len, self.coord.hashes(r.prompt_len, r.variant))
             else:
                 hits, hit = self.no_hits, 0
             ext = 0 if r.offered else r.external

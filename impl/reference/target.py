@@ -69,7 +69,8 @@ class ReferenceTarget:
         elif isinstance(event, Process):
             s.process(event.accepted)
         elif isinstance(event, AddRequest):
-            s.add_request(event.id, event.prompt_len, event.max_new_tokens, event.external_tokens)
+            s.add_request(event.id, event.prompt_len, event.max_new_tokens, event.external_tokens,
+                          event.variant)
         elif isinstance(event, Preempt):
             if not s.hold("preempt", event.id):
                 s.preempt(event.id)

@@ -581,7 +581,7 @@ class Driver:
                     "hazard=unordered only")
             if not 0 < ev.external_tokens < ev.prompt_len:
                 raise EventRejected("external_tokens must be in (0, prompt_len)")
-        prompt = [prompt_token(t) for t in range(ev.prompt_len)]
+        prompt = [prompt_token(t, ev.variant) for t in range(ev.prompt_len)]
         self.arrival += 1
         req = compat.make_request(
             self.Request, ev.id, prompt,
