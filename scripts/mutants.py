@@ -325,7 +325,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the reference pool hands out a cached block afresh without forgetting its hash",
         ("--kind", "full", "--prefix-caching", "on", "--block-size", "4", "--spec-tokens", "0",
          "--hazard", "ordered", "--no-external", *_ASYNC), frozenset({2}),
-        subject="reference", min_examples=400, max_events=16),
+        subject="reference", min_examples=400, max_events=20),
     Mutant(
         "ref-preempts-fenced-victim", REF + "scheduler.py",
         "                if self.defer_request_frees and self._in_flight(victim):\n",
