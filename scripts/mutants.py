@@ -209,7 +209,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        first_gap_block = num_prompt_tokens // bs\n",
         "R-SWA's gap starts at the block holding the prompt's last tokens, which every "
         "position still reads",
-        ("--kind", "rswa", *_ASYNC), frozenset({1, 2})),
+        ("--kind", "rswa", *_ASYNC), frozenset({1, 2}), max_events=14),
     Mutant(
         "rswa-window-one-short", CORE + "single_type_kv_cache_manager.py",
         "            num_prompt_tokens, processed_computed_tokens - self.rswa_window\n",
