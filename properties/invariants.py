@@ -200,8 +200,10 @@ class Checker:
         # block holds. Attention groups only (a Mamba block holds one state).
         self.content: dict[int, list] = {}
         self._ver: dict[int, int] = {}  # block -> how often its content changed
-        # request ("" for the sink) -> block -> (version, first, end offset) found good
-        self._ok: dict[str, dict[int, tuple[int, int, int]]] = {}
+        # request ("" for the sink) -> (block, logical slot) -> (version, first,
+        # end offset) found good; the slot matters: the same block read at
+        # another slot names other positions
+        self._ok: dict[str, dict[tuple[int, int | None], tuple[int, int, int]]] = {}
         self.prompt_len: dict[str, int] = {}
         self.variant: dict[str, int] = {}  # prompt variants other than 0
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
@@ -569,7 +571,7 @@ class Checker:
             for blk, lg, x, y in self._cache_ranges(g, table, a, P):
                 ok = self._ok.setdefault(rid if lg is not None else "", {})
                 v = ver.get(blk, 0)
-                seen = ok.get(blk)
+                seen = ok.get((blk, lg))
                 if seen is not None and seen[0] == v and seen[1] <= x and y <= seen[2]:
                     continue
                 c = content.get(blk)
@@ -595,7 +597,7 @@ class Checker:
                     return
                 if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
                     x, y = min(x, seen[1]), max(y, seen[2])
-                ok[blk] = (v, x, y)
+                ok[(blk, lg)] = (v, x, y)
 
     def _cache_ranges(self, g: Group, table: tuple[int, ...], a: int, P: int):
         """The slots a step starting at ``a`` reads from the cache through

@@ -67,6 +67,7 @@ class Mutant:
 
 _ASYNC = ("--depth", "2")
 _CONSUMER = ("--hazard", "unordered", "--depth", "2")
+_PC = ("--prefix-caching", "on")
 
 REF = "impl/reference/"
 
@@ -246,6 +247,68 @@ MUTANTS: tuple[Mutant, ...] = (
         "        request.num_output_placeholders = 0\n        request.num_preemptions += 1\n",
         "a preempted request's in-flight output is not marked stale",
         ("--kind", "sliding", "--spec-tokens", "2", *_ASYNC), frozenset(), "crashed"),
+    # prefix-cache slips that hand a request KV never written, or written for
+    # another prefix or position: property 2's content rule, no --attention
+    Mutant(
+        "hash-not-chained", CORE + "kv_cache_utils.py",
+        "                caching_hash_fn, prev_block_hash_value, block_tokens, extra_keys\n",
+        "                caching_hash_fn, None, block_tokens, extra_keys\n",
+        "a block's hash is not chained to its parent's: equal blocks under different "
+        "prefixes share a hash",
+        ("--kind", "sliding", *_PC, "--block-size", "4", *_ASYNC), frozenset({2}),
+        min_examples=300),
+    Mutant(
+        "hash-skips-last-token", CORE + "kv_cache_utils.py",
+        "            block_tokens = request.all_token_ids[start_token_idx:end_token_idx]\n",
+        "            block_tokens = request.all_token_ids[start_token_idx:end_token_idx - 1]\n",
+        "a block's hash leaves out its last token: a block ending in an output token "
+        "collides with one ending in a prompt token",
+        ("--kind", "full", *_PC, "--block-size", "4", *_ASYNC), frozenset({2}),
+        min_examples=300, max_events=16),
+    Mutant(
+        "caches-partial-block", CORE + "single_type_kv_cache_manager.py",
+        "        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size\n",
+        "        num_full_blocks = min(num_tokens + self.block_size - 1, num_hashed_tokens)"
+        " // self.block_size\n",
+        "cache_blocks rounds the computed tokens up to a block: a block a prefill chunk "
+        "only half wrote is cached under its full hash",
+        ("--kind", "sliding", *_PC, *_ASYNC), frozenset({2}), min_examples=300),
+    Mutant(
+        "evict-keeps-map-entry", CORE + "block_pool.py",
+        "                self.cached_block_hash_to_block.pop(block_hash, block.block_id)\n"
+        "                is not None\n",
+        "                self.cached_block_hash_to_block.get_one_block(block_hash)\n"
+        "                is not None\n",
+        "evicting a cached block resets its hash but leaves its entry in the hash map: "
+        "a later lookup hits the reused block",
+        ("--kind", "sliding", *_PC, *_ASYNC), frozenset({2}), min_examples=300,
+        max_events=16),
+    Mutant(
+        "swa-hit-one-block-short", CORE + "single_type_kv_cache_manager.py",
+        "        blocks = cdiv(window_size - 1, block_size)\n",
+        "        blocks = (window_size - 1) // block_size\n",
+        "a sliding-window hit needs one contiguous block fewer than the window spans",
+        ("--kind", "sliding", *_PC, *_ASYNC), frozenset({2}), min_examples=300),
+    Mutant(
+        "touch-keeps-in-free-queue", CORE + "block_pool.py",
+        "            if block.ref_cnt == 0:\n"
+        "                self.free_block_queue.remove(block)\n"
+        "            block.ref_cnt += 1\n",
+        "            block.ref_cnt += 1\n",
+        "a prefix hit on a free cached block takes a reference but leaves it in the "
+        "free queue",
+        ("--kind", "full", *_PC, *_ASYNC), frozenset({1, 2, 3})),
+    Mutant(
+        "cached-evicted-first", CORE + "block_pool.py",
+        "        self.free_block_queue.prepend_n(blocks_to_evict_first)\n"
+        "        # Blocks to reuse last are appended to the end of the free queue.\n"
+        "        self.free_block_queue.append_n(blocks_to_evict_last)\n",
+        "        self.free_block_queue.append_n(blocks_to_evict_first)\n"
+        "        # Blocks to reuse last are appended to the end of the free queue.\n"
+        "        self.free_block_queue.prepend_n(blocks_to_evict_last)\n",
+        "freed cached blocks are evicted first and uncached ones last: a worse eviction "
+        "order, harmless",
+        ("--kind", "full", *_PC, *_ASYNC), frozenset(), "survives", min_examples=300),
     Mutant(
         "window-never-frees", CORE + "single_type_kv_cache_manager.py",
         "        del num_prompt_tokens\n"

@@ -8,7 +8,7 @@ no one's."""
 
 from __future__ import annotations
 
-from model.events import AddRequest, Finish, Process, Schedule, config_for
+from model.events import AddRequest, Finish, Preempt, Process, Schedule, config_for
 from model.observations import (
     AllocObs,
     FinishObs,
@@ -179,3 +179,22 @@ def test_a_step_shifted_by_a_rejection_writes_its_new_positions():
     # a step that starts where step 2 was first placed reads what it never wrote
     msg = only_prop2(schedule(ch, 3, [("a", 14, 15, (1, 2, 3, 4))]))
     assert "position 12" in msg and "shifted" in msg
+
+
+def test_a_block_found_good_at_one_slot_is_checked_again_at_another():
+    """The verified-range memo is per slot: after a preemption a (broken) hit
+    puts a's blocks 1 and 2 back swapped; block 2 holds positions 4..7, so at
+    slot 0 it does not hold what a reads there, though a read it before."""
+    ch = checker()
+    add(ch, "a", 8)
+    assert not schedule(ch, 0, [("a", 0, 8, (1, 2))],
+                        [("a", 0, 1, False), ("a", 1, 2, False)])
+    assert not process(ch, 0)
+    assert not schedule(ch, 1, [("a", 8, 9, (1, 2, 3))], [("a", 2, 3, False)])
+    assert not process(ch, 1)
+    assert not ch.feed(Preempt("a"), Observed([FreeObs(3, 0, "a", 2, "preempt"),
+                                              FreeObs(2, 0, "a", 1, "preempt"),
+                                              FreeObs(1, 0, "a", 0, "preempt")]))
+    msg = only_prop2(schedule(ch, 2, [("a", 8, 9, (2, 1, 4))],
+                              [("a", 0, 2, True), ("a", 1, 1, True), ("a", 2, 4, False)]))
+    assert "block 2 (logical 0)" in msg
