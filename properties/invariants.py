@@ -70,6 +70,7 @@ WITNESSES = {
     "failed_load": "a failed connector load, recomputed",
     "failed_load_in_flight": "a failed load with another step of the request in flight",
     "block_reused": "a block handed to a request after another request let it go",
+    "prefix_hit": "a prefix-cache hit on a block another request wrote",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
@@ -167,6 +168,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("rollback_near_free")
     if cfg.depth >= 2:
         out.add("preempt_in_flight")
+    if cfg.prefix_caching:
+        out.add("prefix_hit")
     return out
 
 
@@ -348,7 +351,7 @@ class Checker:
                        f"while holding block {self.holder[key]} there", rid=a.rid, block=a.block)
         prev = self.last_owner.get(a.block)
         if prev is not None and prev != a.rid:
-            self.witness["block_reused"] += 1
+            self.witness["prefix_hit" if a.cached else "block_reused"] += 1
         self.last_owner[a.block] = a.rid
         if not a.cached:
             if self.bad:
