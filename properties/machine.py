@@ -114,10 +114,17 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         elif spec.kind in ("full", "mamba"):
             groups = (Group(spec.kind),)
         elif spec.kind == "hybrid":
-            # full plus one or two local groups (Gemma-, Llama-4-style models)
-            local = draw(st.sampled_from([("sliding",), ("chunked_local",),
-                                          ("sliding", "chunked_local")]))
-            groups = (Group("full"), *(Group(k, window if k == "sliding" else chunk)
+            # full plus one or two local groups (Gemma-, Llama-4-style models),
+            # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
+            # block-sized Mamba states only with prefix caching and no drafts,
+            # and with connector loads it stops at findings/README.md's finding
+            # 5 (the Mamba kind finds that): Mamba joins only with --no-external
+            mixes = [("sliding",), ("chunked_local",), ("sliding", "chunked_local")]
+            if prefix and not spec_tokens and not spec.external:
+                mixes += [("mamba",), ("sliding", "mamba")]
+            local = draw(st.sampled_from(mixes))
+            groups = (Group("full"), *(Group(k, window if k == "sliding" else
+                                             chunk if k == "chunked_local" else 0)
                                        for k in local))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
