@@ -313,9 +313,14 @@ def cmd_replay(a) -> int:
         if a.policy not in REGISTRY:
             raise UsageError(f"unknown policy {a.policy!r}")
         trace = Trace(dc_replace(trace.config, policy=a.policy), trace.events, trace.meta)
+    if a.target is not None and not a.target.strip():
+        raise UsageError("--target '': name a target (reference, vllm@VERSION, vllm@PATH)")
     target = a.target or trace.meta.get("target") or "reference"
     rr = replay(trace, target)
     print(f"target {target}")
+    if trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
+        print(f"checking only properties {', '.join(map(str, sorted(trace.meta['props'])))} "
+              f"(the trace's meta.props)")
     print(format_timeline(rr))
     code = EXIT_OK
     if rr.crash:
@@ -329,7 +334,7 @@ def cmd_replay(a) -> int:
                 stem += "-on-" + target.replace("@", "-").replace("/", "_")
             _print_report(rr, Path("counterexamples"), stem, target)
     else:
-        print("verdict: all properties hold")
+        print(f"verdict: {rr.held()}")
     if a.attention:
         from properties.attention import format_report, replay_attention
 

@@ -154,6 +154,19 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _check_meta(meta: dict[str, Any]) -> None:
+    """The meta fields that steer a replay: ``props`` narrows what is checked,
+    ``target`` picks where it runs; anything else there is free text."""
+    if "props" in meta:
+        p = meta["props"]
+        if (not isinstance(p, list) or not p or len(set(map(repr, p))) != len(p)
+                or not all(_is_int(x) and 1 <= x <= 7 for x in p)):
+            raise TraceError(f"trace: meta.props must be a list of distinct property "
+                             f"numbers 1-7, got {p!r:.60}")
+    if "target" in meta and (not isinstance(meta["target"], str) or not meta["target"]):
+        raise TraceError(f"trace: meta.target must be a target name, got {meta['target']!r:.60}")
+
+
 def _check_event_types(ev: Event, where: str) -> None:
     for f in fields(ev):
         v = getattr(ev, f.name)
@@ -387,6 +400,7 @@ class Trace:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise TraceError("trace: 'meta' must be an object")
+        _check_meta(meta)
         t = Trace(cfg, events, meta)
         check_consistent(t)
         return t

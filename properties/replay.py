@@ -36,6 +36,14 @@ class ReplayResult:
     violations: list[Violation]
     witness: dict[str, int]
     crash: str | None = None
+    props: frozenset[int] | None = None  # the properties checked (None: all)
+
+    def held(self) -> str:
+        """What a run without a violation may claim."""
+        if self.props is None or self.props >= frozenset(range(1, 8)):
+            return "all properties hold"
+        return (f"properties {', '.join(map(str, sorted(self.props)))} hold "
+                f"(the others were not checked)")
 
     @property
     def first(self) -> Violation | None:
@@ -119,7 +127,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         if record(i, ev, obs):
             break
     found = [v for v in checker.violations if props is None or v.prop in props]
-    return ReplayResult(trace, rows, found, dict(checker.witness), crash)
+    return ReplayResult(trace, rows, found, dict(checker.witness), crash, props)
 
 
 class InvalidEvent(ValueError):

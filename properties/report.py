@@ -486,7 +486,7 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
     if res.crash:
         out.append("target crashed:\n" + res.crash)
     if res.first is None and not res.crash:
-        out.append("all properties hold")
+        out.append(res.held())
     return "\n".join(line.rstrip() for line in out)
 
 

@@ -84,6 +84,18 @@ def test_replay_reports_violation_and_timeline(tmp_path):
     assert "property 1" in out and ">>" in out
 
 
+def test_a_trace_that_narrows_the_properties_says_so(tmp_path):
+    p = good_trace(tmp_path)
+    d = json.loads(p.read_text())
+    d["meta"] = {"props": [2, 3]}  # the violation is of property 1
+    p.write_text(json.dumps(d))
+    code, out, _ = run("replay", str(p))
+    assert code == 0, out
+    assert "checking only properties 2, 3" in out
+    assert "properties 2, 3 hold (the others were not checked)" in out
+    assert "all properties hold" not in out
+
+
 def test_replay_same_events_settled_holds(tmp_path):
     code, out, _ = run("replay", str(good_trace(tmp_path, policy="settled")))
     assert code == 0, out

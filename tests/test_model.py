@@ -66,6 +66,12 @@ def test_save_never_overwrites(tmp_path):
     (lambda d: d["events"][0].update(prompt_len="many"), "integer"),
     (lambda d: d["events"][0].update(external_tokens=100), "external_tokens"),
     (lambda d: d["events"][0].update(variant=5), "variant"),
+    (lambda d: d.update(meta={"props": "abc"}), "meta.props"),
+    (lambda d: d.update(meta={"props": [9]}), "meta.props"),
+    (lambda d: d.update(meta={"props": ["1"]}), "meta.props"),
+    (lambda d: d.update(meta={"props": [1, 1]}), "meta.props"),
+    (lambda d: d.update(meta={"props": []}), "meta.props"),
+    (lambda d: d.update(meta={"target": 5}), "meta.target"),
     (lambda d: d["events"][0].update(variant="b"), "integer"),
     (lambda d: d["events"][3].update(accepted={"r0": 7}), "spec_tokens"),
 ])
