@@ -141,12 +141,18 @@ def test_read_blocks_cover_every_window(kind, start, n, B):
         assert set(range(lo // B, hi // B + 1)) <= blocks
 
 
-@given(st.integers(1, 64), st.integers(1, 200), st.integers(0, 50))
-def test_settled_basis_never_exceeds_optimistic(w, c, f):
-    g = Group("sliding", w)
+@given(st.sampled_from(["sliding", "chunked_local"]), st.integers(1, 64), st.integers(1, 200),
+       st.integers(0, 50), st.sampled_from([1, 4, 16]))
+def test_settled_frees_nothing_an_in_flight_or_next_position_reads(kind, p, c, f, B):
+    """The blocks freed on the settled count lie below the window of every
+    position from the oldest unprocessed one (``c - f``) up to the next one
+    to schedule (``c``); never more than the optimistic count frees."""
+    g = Group(kind, p * B if kind == "chunked_local" else p)
     f = min(f, c)
-    assert basis("settled", g, Counts(c, f)) <= basis("optimistic", g, Counts(c, f))
-    assert basis("settled", g, Counts(c, f)) == c - f
+    n = freeable(g, basis("settled", g, Counts(c, f)), B)
+    for t in range(c - f, c + 1):
+        assert n <= window(g, t)[0] // B, (t, n)
+    assert n <= freeable(g, basis("optimistic", g, Counts(c, f)), B)
 
 
 def test_live_bound_grows_with_tokens_ahead():
