@@ -34,10 +34,6 @@ class Capabilities:
     kinds: frozenset[str] = frozenset({*KINDS, "hybrid"})
     policies: frozenset[str] | None = None  # None: any registered policy
     max_depth: int = 4
-    spec_tokens: bool = True
-    preempt: bool = True
-    failed_load: bool = True
-    prefix_caching: bool = True
     reports_in_flight: bool = True  # counters carry num_in_flight_tokens
     fixed_policy: str | None = None  # the policy the target implements, if not configurable
     # per kind, fuzz options the target needs: (FuzzSpec field, value, why); a

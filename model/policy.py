@@ -39,13 +39,11 @@ class Counts:
 
 PolicyFn = Callable[[Group, Counts], int]
 REGISTRY: dict[str, PolicyFn] = {}
-DESCRIPTIONS: dict[str, str] = {}
 
 
-def register(name: str, description: str = "") -> Callable[[PolicyFn], PolicyFn]:
+def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
     def deco(fn: PolicyFn) -> PolicyFn:
         REGISTRY[name] = fn
-        DESCRIPTIONS[name] = description or (fn.__doc__ or "").strip().splitlines()[0]
         return fn
 
     return deco
@@ -56,18 +54,21 @@ def basis(policy: str, group: Group, counts: Counts) -> int:
     return max(0, REGISTRY[policy](group, counts))
 
 
-@register("optimistic", "free on num_computed_tokens (vLLM <= 0.25.1)")
+@register("optimistic")
 def optimistic(group: Group, counts: Counts) -> int:
+    """Free on num_computed_tokens (vLLM <= 0.25.1)."""
     return counts.computed
 
 
-@register("settled", "free on num_computed_tokens - num_in_flight_tokens - loading (the fix)")
+@register("settled")
 def settled(group: Group, counts: Counts) -> int:
+    """Free on num_computed_tokens - num_in_flight_tokens - loading (the fix)."""
     return counts.computed - counts.in_flight - counts.loading
 
 
-@register("mamba-local", "subtract in-flight spec tokens for Mamba groups only (partial patch)")
+@register("mamba-local")
 def mamba_local(group: Group, counts: Counts) -> int:
+    """Subtract in-flight spec tokens for Mamba groups only (partial patch)."""
     if group.kind == "mamba":
         return counts.computed - counts.spec
     return counts.computed

@@ -527,10 +527,6 @@ def t_finish(s: State, prm: Params, ar: Arith, rule: Rule, tag: str) -> Trans:
     return Trans("finish", s.st != DONE, _release(s, DONE))
 
 
-TRANSITIONS = (t_schedule, t_free_only, t_process, t_process_discarded, t_process_failed_load,
-               t_preempt, t_finish)
-
-
 # ================================================================ invariants
 
 
@@ -548,13 +544,6 @@ class Invariant:
 
     def names(self) -> list[str]:
         return [n for n, _ in self.scalar + self.single + self.pair]
-
-    def holds(self, s: State, indices) -> list:
-        """The conjuncts, the quantified ones instantiated on ``indices``."""
-        out = [f(s) for _, f in self.scalar]
-        out += [f(s, j) for _, f in self.single for j in indices]
-        out += [f(s, i, j) for _, f in self.pair for i in indices for j in indices]
-        return out
 
     def conjuncts_at(self, s: State, i, j) -> list[tuple[str, z3.BoolRef]]:
         """Each conjunct, the quantified ones at the (Skolem) indices ``i``, ``j``."""

@@ -648,10 +648,3 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
     if skipped[1]:
         lines.append(f"  {'...':>4}  ({skipped[1]} later rows)")
     return "\n".join(lines)
-
-
-def summary_by_verdict(rep: AttentionReport) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for r in rep.rows:
-        out[r.verdict] += 1
-    return dict(out)

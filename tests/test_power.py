@@ -51,7 +51,7 @@ def test_a_policy_that_changes_sync_behaviour_is_caught_by_property_6():
     depth 1: only the settled twin sees it."""
     from model.policy import REGISTRY, register
 
-    @register("settled-lazy", "settled, one token later")
+    @register("settled-lazy")
     def lazy(group, counts):
         return counts.computed - counts.in_flight - counts.loading - 1
 
@@ -72,7 +72,7 @@ def test_an_unseen_broken_policy_is_caught():
     """A policy the checker was never told about: frees one block too many."""
     from model.policy import REGISTRY, register
 
-    @register("settled-plus-one-block", "settled, but one block further")
+    @register("settled-plus-one-block")
     def plus_one(group, counts):
         return counts.computed - counts.in_flight - counts.loading + 16
 
@@ -88,7 +88,7 @@ def test_forgetting_a_rollback_is_caught():
     """A policy that ignores drafts in flight (but not other tokens)."""
     from model.policy import REGISTRY, register
 
-    @register("ignores-drafts", "settled, but drafts count as settled")
+    @register("ignores-drafts")
     def ignores(group, counts):
         return counts.computed - counts.in_flight - counts.loading + counts.spec
 
