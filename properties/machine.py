@@ -1,26 +1,39 @@
 """The Hypothesis state machine: events as rules, properties as checks.
 
 One :class:`KVMachine` subclass is made per fuzz setting (target, kind,
-policy, and the knobs fixed on the command line); Hypothesis draws the rest
-of the config in the ``initialize`` rule and then interleaves the events of
+policy, and the knobs fixed on the command line; :func:`make_machine`); its
+``initialize`` rule draws the rest of the config from
+:func:`config_strategy`, and its rules then interleave the events of
 DESIGN.md. Preconditions come from the checker's shadow of the observations,
-so every target is driven the same way. After every rule the checker's
-verdict is asserted; a failure is shrunk by Hypothesis, and the shrunk
-example's config and events are kept on the class (``last``) to be saved as
-a trace.
+so every target is driven the same way.
+
+The checker judges each event's observations. A violation of a property about
+the event itself (a free, a read, a step: properties 1, 2, 5, 6, 7) fails the
+rule that applied it; the accounting properties (3: the pool, 4: the
+in-flight counts) are state invariants, checked by Hypothesis after every rule
+(``@invariant``). A failure is shrunk by Hypothesis, and the exception of the
+shrunk example carries its config and events (:class:`PropertyFailed`,
+``TargetCrash.example``), which :func:`fuzz` saves as a trace.
+
+The database key of a fuzz setting is its class name, which ends in a digest
+of :meth:`FuzzSpec.key`: a saved failure is replayed first by the next run of
+the same setting, and by no other.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, Phase, reject, settings
+from hypothesis import seed as with_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
+    invariant,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -48,12 +61,25 @@ from properties.twin import Twin
 
 MAX_REQUESTS = 4  # live at once
 MAX_ADDED = 8  # per example
+ACCOUNTING = (3, 4)  # the properties checked as invariants of the state
+
+# Health checks left on: data_too_large, large_base_example, return_value and
+# the rest. Off: too_slow (a real vLLM target takes its time, and the fuzz run
+# is sized in examples, not seconds) and filter_too_much (a config or event the
+# target refuses is rejected; refusals are counted in RunStats.refused and
+# printed, and a run that reaches nothing is caught as vacuous).
+SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 
 
 class PropertyFailed(AssertionError):
-    def __init__(self, violation: Violation):
+    """A violation, with the config and events of the example that made it."""
+
+    def __init__(self, violation: Violation, config: Config | None = None,
+                 events: list[Event] | None = None):
         super().__init__(str(violation))
         self.violation = violation
+        self.config = config
+        self.events = list(events or [])
 
 
 @dataclass
@@ -143,10 +169,12 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
 
 
 class KVMachine(RuleBasedStateMachine):
+    """The rules and invariants; :func:`make_machine` adds the ``initialize``
+    rule of one fuzz setting."""
+
     spec: ClassVar[FuzzSpec]
     stats: ClassVar[RunStats]
     target: ClassVar[Target | None] = None
-    last: ClassVar[dict[str, Any]] = {}
     on_example: ClassVar[Any] = None  # callback(phase, machine), phase "setup" / "teardown"
 
     def __init__(self) -> None:
@@ -158,6 +186,8 @@ class KVMachine(RuleBasedStateMachine):
         self.added: list[str] = []
         self.drain = False
         self.twin: Twin | None = None
+        self.violation: Violation | None = None  # the one this example failed with
+        self._accounting: Violation | None = None  # for the invariants to raise
 
     # ----------------------------------------------------------- plumbing
 
@@ -174,17 +204,19 @@ class KVMachine(RuleBasedStateMachine):
                 reject()
         if record:
             self.events.append(ev)
-        cls.last = {"config": self.cfg, "events": self.events}  # this example's list, not a copy
         try:
             obs = cls.target.apply(ev)
-        except TargetCrash:
+        except TargetCrash as e:
+            e.example = (self.cfg, list(self.events))
             raise
         except Exception as e:  # the target itself broke on a valid event
             import traceback
 
-            raise TargetCrash(
+            crash = TargetCrash(
                 f"{cls.target.name} raised {type(e).__name__} on {ev}:\n"
-                + traceback.format_exc()) from e
+                + traceback.format_exc())
+            crash.example = (self.cfg, list(self.events))
+            raise crash from e
         cls.stats.events[type(ev).__name__] += 1
         if obs.counters is not None:
             self.counters = obs.counters
@@ -194,9 +226,16 @@ class KVMachine(RuleBasedStateMachine):
             if v6 is not None:
                 violations.append(v6)
         if violations:
-            cls.last["violation"] = violations[0]
-            raise PropertyFailed(violations[0])
+            first = violations[0]
+            if record and first.prop in ACCOUNTING:
+                self._accounting = first  # raised by the invariant, right after this rule
+            else:
+                self._fail(first)
         return obs
+
+    def _fail(self, v: Violation) -> None:
+        self.violation = v
+        raise PropertyFailed(v, self.cfg, self.events)
 
     def _status(self, rid: str) -> str:
         if self.counters is None or rid not in self.counters.reqs:
@@ -206,11 +245,26 @@ class KVMachine(RuleBasedStateMachine):
     def _live(self) -> list[str]:
         return [r for r in self.added if self._status(r) != "finished"]
 
+    # --------------------------------------------------------- invariants
+
+    def _check_accounting(self, prop: int) -> None:
+        if self._accounting is not None and self._accounting.prop == prop:
+            self._fail(self._accounting)
+
+    @invariant()
+    def pool_accounting(self) -> None:
+        """Property 3: free + owned + NULL = total, no double free, no leak."""
+        self._check_accounting(3)
+
+    @invariant()
+    def in_flight_accounting(self) -> None:
+        """Property 4: each request's in-flight count is its unprocessed steps' tokens."""
+        self._check_accounting(4)
+
     # -------------------------------------------------------------- rules
 
-    @initialize(cfg=st.runner().flatmap(lambda m: config_strategy(m.spec)),
-                drain=st.booleans())
-    def setup(self, cfg: Config, drain: bool) -> None:
+    def _setup(self, cfg: Config, drain: bool) -> None:
+        """The ``initialize`` rule (:func:`make_machine` gives it its strategy)."""
         cls = type(self)
         self.cfg = cfg
         self.checker = Checker(cfg)
@@ -220,7 +274,6 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.expected |= expected_witnesses(cfg)
         if 7 in self.spec.props:
             cls.stats.expected.add("drained")
-        cls.last = {"config": cfg, "events": []}
         try:
             obs = cls.target.reset(cfg)
         except Unsupported:
@@ -323,7 +376,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            if self.checker is not None and self.drain:
+            if self.checker is not None and self.drain and self.violation is None:
                 self._drain()
         finally:
             if self.checker is not None:
@@ -344,16 +397,22 @@ class KVMachine(RuleBasedStateMachine):
         v = drain(self.cfg, self.checker, self.counters, reqs, self._live,
                   lambda ev: self._apply(ev, record=False), len(self.events) - 1)
         if v is not None:
-            cls.last["violation"] = v
-            raise PropertyFailed(v)
+            self._fail(v)
 
 
 def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
-    name = "KVMachine_" + "".join(c if c.isalnum() else "_" for c in spec.key())
-    cls = type(name, (KVMachine,), {"spec": spec, "stats": RunStats(), "target": target,
-                                    "last": {}})
-    cls._hypothesis_internal_add_digest = spec.key().encode()
-    return cls
+    """The machine of one fuzz setting: its config strategy in the
+    ``initialize`` rule, and a name that keys its example database entries."""
+    key = spec.key()
+    name = ("KVMachine_" + "".join(c if c.isalnum() else "_" for c in key) + "_"
+            + hashlib.sha256(key.encode()).hexdigest()[:16])
+
+    @initialize(cfg=config_strategy(spec), drain=st.booleans())
+    def setup(self: KVMachine, cfg: Config, drain: bool) -> None:
+        self._setup(cfg, drain)
+
+    return type(name, (KVMachine,), {"spec": spec, "stats": RunStats(), "target": target,
+                                     "setup": setup})
 
 
 @dataclass
@@ -381,44 +440,42 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     if on_example is not None:
         cls.on_example = staticmethod(on_example)
     if seed is not None:
-        cls._hypothesis_internal_use_seed = seed
+        cls = with_seed(seed)(cls)
     s = settings(
         max_examples=examples,
         stateful_step_count=spec.max_steps or (50 if spec.kind == "rswa" else 30),
         deadline=None,
         database=database,
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=SUPPRESSED,
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
         report_multiple_bugs=False,
         print_blob=False,
     )
     t0 = time.perf_counter()
     result = FuzzResult(spec, cls.stats)
+    example: tuple[Config | None, list[Event]] = (None, [])
     try:
         run_state_machine_as_test(cls, settings=s)
     except PropertyFailed as e:
         result.violation = e.violation
+        example = (e.config, e.events)
     except TargetCrash as e:
         result.crash = str(e)
+        example = getattr(e, "example", example)
     except Exception as e:  # noqa: BLE001 - hypothesis wraps; report the first error
-        v = getattr(e, "violation", None)
-        if isinstance(v, Violation):
-            result.violation = v
-        else:
+        if not isinstance(getattr(e, "violation", None), Violation):
             raise
+        result.violation = e.violation
+        example = (getattr(e, "config", None), getattr(e, "events", []))
     result.seconds = time.perf_counter() - t0
-    if result.violation is not None or result.crash is not None:
-        last = cls.last
-        if last.get("config") is not None:
-            meta = {"target": spec.target,
-                    "violation": str(result.violation or "target crash")}
-            if len(spec.props) < 7:
-                meta["props"] = sorted(spec.props)
-            result.trace = Trace(last["config"], list(last["events"]), meta=meta)
-            if result.violation is not None and minimize_trace:
-                from properties.minimize import minimize
+    config, events = example
+    if config is not None and (result.violation is not None or result.crash is not None):
+        meta = {"target": spec.target, "violation": str(result.violation or "target crash")}
+        if len(spec.props) < 7:
+            meta["props"] = sorted(spec.props)
+        result.trace = Trace(config, list(events), meta=meta)
+        if result.violation is not None and minimize_trace:
+            from properties.minimize import minimize
 
-                result.trace = minimize(result.trace, target, result.violation.prop)
-        if result.violation is None and "violation" in last:
-            result.violation = last["violation"]
+            result.trace = minimize(result.trace, target, result.violation.prop)
     return result

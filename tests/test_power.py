@@ -105,3 +105,85 @@ def test_target_is_deterministic_on_replay():
     a = replay(res.trace, make_target("reference"))
     b = replay(res.trace, make_target("reference"))
     assert [str(v) for v in a.violations] == [str(v) for v in b.violations]
+
+
+# ------------------------------------------------- the state machine itself
+
+
+class _Skewed:
+    """The reference target with one counter reported wrong after the first
+    processed output: a pool total (property 3) or an in-flight count (4)."""
+
+    def __init__(self, what: str):
+        from impl.reference import ReferenceTarget
+
+        self.inner, self.what, self.processed = ReferenceTarget(), what, False
+        self.name, self.capabilities = self.inner.name, self.inner.capabilities
+
+    def reset(self, cfg):
+        self.processed = False
+        return self.inner.reset(cfg)
+
+    def can_apply(self, ev):
+        return self.inner.can_apply(ev)
+
+    def apply(self, ev):
+        from dataclasses import replace as copy
+
+        from model.events import Process
+
+        obs = self.inner.apply(ev)
+        self.processed |= isinstance(ev, Process)
+        c = obs.counters
+        if not self.processed or c is None:
+            return obs
+        if self.what == "pool":
+            obs.counters = copy(c, free_blocks=c.free_blocks - 1)
+        else:
+            obs.counters = copy(c, reqs={r: copy(rc, in_flight=(rc.in_flight or 0) + 1)
+                                         if rc.status == "running" else rc
+                                         for r, rc in c.reqs.items()})
+        return obs
+
+
+@pytest.mark.parametrize("what,prop", [("pool", 3), ("in_flight", 4)])
+def test_accounting_invariants_catch_a_wrong_counter(what, prop):
+    res = fuzz(FuzzSpec(kind="full", policy="settled"), examples=100, seed=5,
+               target=_Skewed(what))
+    assert res.violation is not None and res.violation.prop == prop, res.violation
+    assert replay(res.trace, _Skewed(what)).first.prop == prop
+    assert replay(res.trace, "reference").first is None  # the target's slip, not the trace's
+
+
+def test_same_seed_same_trace_and_the_database_replays_a_failure_first():
+    from hypothesis.database import InMemoryExampleDatabase
+
+    class Recording(InMemoryExampleDatabase):
+        def __init__(self):
+            super().__init__()
+            self.fetched = set()
+
+        def fetch(self, key):
+            self.fetched.add(key)
+            yield from super().fetch(key)
+
+    spec = FuzzSpec(kind="sliding", policy="optimistic", depth=2)
+    a = fuzz(spec, examples=100, seed=1)
+    b = fuzz(spec, examples=100, seed=1)
+    assert a.trace is not None and a.trace.events == b.trace.events
+    assert a.trace.config == b.trace.config
+
+    db = Recording()
+    first = fuzz(spec, examples=100, seed=2, database=db)
+    saved = {k for k, v in db.data.items() if v}
+    assert first.violation is not None and saved, "the failure was not saved"
+    failed = []  # per example run: whether it failed
+    again = fuzz(spec, examples=100, seed=3, database=db, on_example=lambda phase, m:
+                 failed.append(m.violation is not None) if phase == "teardown" else None)
+    # the saved example comes first and fails (then is shrunk, as any failure)
+    assert again.violation is not None and failed[0], failed[:5]
+    assert again.trace.events == first.trace.events
+    # another setting has its own key: it never looks up this one's failure
+    db.fetched.clear()
+    fuzz(FuzzSpec(kind="sliding", policy="settled", depth=2), examples=5, seed=1, database=db)
+    assert db.fetched and not db.fetched & saved

@@ -62,7 +62,7 @@ class _FirstFailure:
     def __call__(self, phase: str, machine: Any) -> None:
         if phase == "setup":
             self.seen += 1
-        elif phase == "teardown" and self.first is None and "violation" in type(machine).last:
+        elif phase == "teardown" and self.first is None and machine.violation is not None:
             self.first = self.offset + self.seen
 
 
