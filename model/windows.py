@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .events import Group
+from .events import Config, Group
 from .kinds import Ranges, cdiv
 
 
@@ -87,3 +87,20 @@ def live_bound(g: Group, block_size: int, max_model_len: int, tokens_ahead: int)
     sink).
     """
     return g.spec.live_bound(block_size, max_model_len, tokens_ahead)
+
+
+def startup_blocks(cfg: Config) -> int:
+    """Pool size (NULL block included) below which vLLM's engine refuses to
+    start: ``get_kv_cache_configs`` checks that the usable pool serves one
+    request of ``max_model_len`` in every group at once
+    (``_check_enough_kv_cache_memory``), each group at its per-request cap
+    with ``max_in_flight_tokens = depth * max_num_batched_tokens``. Taken here
+    as the larger of the checker's own :func:`live_bound` and the kind's
+    admission cap per group (vLLM's sliding cap may pass the whole request by
+    one block), plus the blocks a kind reserves for itself. A config at or
+    above it is one the engine builds; the config strategy draws pools from
+    here up."""
+    B, L = cfg.block_size, cfg.max_model_len
+    ahead = cfg.depth * cfg.max_num_batched_tokens
+    return 1 + sum(max(live_bound(g, B, L, ahead), g.spec.admission_cap(B, L, ahead) or 0)
+                   + len(g.spec.reserved_blocks(B)) for g in cfg.groups)

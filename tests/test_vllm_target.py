@@ -16,8 +16,10 @@ from impl.target import Capabilities, TargetCrash, TargetError, Unsupported, mak
 from model.events import (
     Abort,
     AddRequest,
+    Config,
     FailLoad,
     Finish,
+    Group,
     Preempt,
     Process,
     Schedule,
@@ -171,7 +173,7 @@ def test_blocks_in_the_deferred_free_queue_belong_to_no_live_request():
     deferred-free queue; 0.25.1 re-admits it at once with new blocks. Its live
     count is the new table only (the old blocks are nobody's)."""
     cfg = config_for("hybrid", window=1, block_size=4, num_blocks=20, depth=2,
-                     hazard="unordered", max_num_batched_tokens=16, max_model_len=128)
+                     hazard="unordered", max_num_batched_tokens=16, max_model_len=32)
     obs = run(BUGGY, cfg, [AddRequest("r0", 9, 4), Schedule(), Preempt("r0"), Schedule()])
     assert not items(obs[2], FreeObs)  # deferred behind step 0
     assert obs[2].counters.reqs["r0"].live == (0, 0)
@@ -251,7 +253,8 @@ def test_length_finish_at_max_new_tokens():
 
 
 def test_pool_pressure_preempts_the_last_request():
-    cfg = config_for("full", block_size=4, num_blocks=9, depth=1, max_num_batched_tokens=64)
+    cfg = config_for("full", block_size=4, num_blocks=9, depth=1, max_num_batched_tokens=64,
+                     max_model_len=32)
     obs = run(FIXED, cfg, [AddRequest("r0", 12, 12), AddRequest("r1", 12, 12)]
               + [Schedule(), Process()] * 6)
     frees = [f for o in obs for f in items(o, FreeObs)]
@@ -268,7 +271,7 @@ def test_apply_many_equals_apply():
     import random
 
     cfg = config_for("hybrid", window=8, block_size=4, depth=2, spec_tokens=2,
-                     max_num_batched_tokens=32, num_blocks=40)
+                     max_num_batched_tokens=32, num_blocks=40, max_model_len=32)
     t = target(FIXED)
     t.reset(cfg)
     rnd, evs, one = random.Random(7), [], []
@@ -367,3 +370,55 @@ def test_pinned_options_fill_what_is_drawn_and_refuse_what_contradicts():
     spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled", spec_tokens=1)
     with pytest.raises(Unsupported, match="--spec-tokens 0"):
         fit_spec("vllm", caps, spec)
+
+
+# ------------------------------------------------ layouts vLLM's planner builds
+
+
+@pytest.mark.parametrize("version", [BUGGY, FIXED])
+@pytest.mark.parametrize("kind,kw", [
+    ("full", {}),
+    ("sliding", {"window": 24}),
+    ("chunked_local", {"chunk": 32}),
+    ("hybrid", {"window": 5}),
+])
+def test_a_pool_too_small_for_one_request_is_refused_and_startup_blocks_is_enough(
+        version, kind, kw):
+    """vLLM's engine refuses to start when the pool cannot serve one request of
+    max_model_len; the driver says so in one line, and the model's
+    startup_blocks is a pool vLLM's planner accepts."""
+    from dataclasses import replace
+
+    from model.windows import startup_blocks
+
+    cfg = config_for(kind, block_size=8, depth=2, max_num_batched_tokens=24,
+                     max_model_len=96, num_blocks=4, **kw)
+    t = target(version)
+    with pytest.raises(Unsupported, match=r"refuses to start: 4 blocks cannot serve one "
+                                          r"request of max_model_len 96.*num_blocks >= \d+"):
+        t.reset(cfg)
+    obs = t.reset(replace(cfg, num_blocks=startup_blocks(cfg)))
+    assert obs.counters.free_blocks == startup_blocks(cfg) - 1
+
+
+def test_groups_the_planner_merges_are_refused():
+    """Two layers of one spec are one group in vLLM's plan: the checker's model
+    needs its groups as configured, so the layout is refused, not misread."""
+    cfg = Config(groups=(Group("sliding", 8), Group("sliding", 8)), block_size=8,
+                 num_blocks=64, max_model_len=64)
+    with pytest.raises(Unsupported, match="plans the 2 groups as"):
+        target(FIXED).reset(cfg)
+
+
+def test_mamba_beside_attention_shares_the_attention_page():
+    """A hybrid model's config pads the Mamba page to the attention page, so
+    vLLM's planner puts both groups in one pool of B-token blocks (0.25.1
+    refuses unequal pages outright)."""
+    for version in (BUGGY, FIXED):
+        cfg = Config(groups=(Group("full"), Group("sliding", 8), Group("mamba")),
+                     block_size=8, num_blocks=64, max_model_len=64, prefix_caching=True)
+        obs = run(version, cfg, [AddRequest("r0", 20, 2), Schedule()])
+        (rs,) = step_of(obs[1]).reqs
+        assert [len(t) for t in rs.tables] == [rs.end // 8] * 3
+        ids = [b for t in rs.tables for b in t if b != NULL]
+        assert len(ids) == len(set(ids))  # one pool: no block in two groups

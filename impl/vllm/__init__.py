@@ -17,14 +17,21 @@ connector, registered with vLLM's ``KVConnectorFactory``.
 
 How a config runs
 -----------------
-* groups: one ``KVCacheGroupSpec`` per group with vLLM's own spec classes
+* layout: one layer per group, with vLLM's own spec classes
   (``FullAttentionSpec``, ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``,
-  ``MambaSpec``), block size ``B``, ``num_blocks`` (NULL included; vLLM's NULL
-  block is id 0 in every supported release, another id would be mapped to 0).
-  Mamba: ``mamba_cache_mode="none"`` with one state block per ``B`` tokens and
-  ``num_speculative_blocks = spec_tokens`` (as a real model sets it). Mamba with
-  prefix caching needs ``mamba_cache_mode="align"`` on 0.33 (another block
-  layout): Unsupported there.
+  ``RSWASpec``, ``SinkFullAttentionSpec``, ``MambaSpec``) and block size ``B``;
+  the ``KVCacheConfig`` is what vLLM's engine core plans from those layer
+  specs (``get_kv_cache_configs`` with ``num_gpu_blocks_override =
+  num_blocks``, then ``resolve_kv_cache_block_sizes``; see
+  :func:`compat.plan_kv_cache`), so grouping, page sizes, retained tokens and
+  the startup check that the pool serves one request of ``max_model_len`` are
+  vLLM's. A layout vLLM refuses is refused with vLLM's reason; one the model
+  cannot state (groups merged or reordered, a group given another block size,
+  hashes finer than ``B``) is refused with one line. vLLM's NULL block is id 0
+  in every supported release. Mamba runs in ``mamba_cache_mode="align"``
+  (prefix caching on, no drafts), its page padded to the attention page as a
+  hybrid model's config does; ``"none"`` mode (one block of
+  ``max_model_len``) and drafts in align mode are refused.
 * depth 1: ``Scheduler`` (no async scheduling); depth 2: ``AsyncScheduler``;
   depth 3-4: where the release allows it (0.33: Model Runner V2),
   ``AsyncScheduler`` with ``pipeline_parallel_size = depth - 1``

@@ -166,26 +166,68 @@ def _init_params(cls: type) -> set[str]:
     return set()
 
 
-def scheduler_kwargs(cls: type, block_size: int) -> dict[str, Any]:
+def scheduler_kwargs(cls: type, block_size: int, hash_block_size: int) -> dict[str, Any]:
     names = _init_params(cls)
     kw: dict[str, Any] = {}
     if "block_size" in names:
         kw["block_size"] = block_size
     if "hash_block_size" in names:
-        kw["hash_block_size"] = block_size
+        kw["hash_block_size"] = hash_block_size
     if "log_stats" in names:
         kw["log_stats"] = False
     return kw
 
 
-def kv_cache_config(KVCacheConfig: type, num_blocks: int, groups: list, block_size: int) -> Any:
+# Bytes of device memory offered to vLLM's planner: far more than any pool the
+# checker asks for, so ``num_gpu_blocks_override`` alone decides the pool size.
+PLANNER_MEMORY = 1 << 40
+
+
+def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
+                  num_blocks: int) -> tuple[Any, int, int]:
+    """The KV-cache layout as vLLM's engine core plans it
+    (``EngineCore._initialize_kv_caches``), for one worker whose layers are
+    ``layer_specs``: ``num_gpu_blocks_override = num_blocks``, then the
+    release's own grouping, page-size unification and pool sizing
+    (``get_kv_cache_configs``; 0.33 first resolves the cache layout and groups
+    the layers with ``get_global_kv_cache_groups``, which also sets sliding
+    windows' ``extra_retained_tokens`` and EAGLE groups), then
+    ``resolve_kv_cache_block_sizes``. Returns ``(KVCacheConfig,
+    scheduler_block_size, hash_block_size)``.
+
+    The one thing set by hand is the hybrid-manager switch: vLLM's CPU
+    platform turns the hybrid KV-cache manager off (``support_hybrid_kv_cache``
+    is False there), which would plan every sliding or chunked layer as full
+    attention; the checker drives the engine as it runs on CUDA, where it stays
+    on for these configs (kvcheck's connector supports HMA; chunked-local
+    layers are planned as with ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``).
+    """
     import dataclasses
 
-    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    names = {f.name for f in dataclasses.fields(KVCacheConfig)}
-    if "hash_block_size" in names:  # 0.33: set by the engine from the scheduler block size
-        kvc.hash_block_size = block_size
-    return kvc
+    from vllm.v1.core import kv_cache_utils
+
+    try:
+        from vllm.v1.core import kv_cache_planning as planning  # 0.33
+    except ImportError:  # 0.25.1, 0.26.0: planning lives in kv_cache_utils
+        planning = kv_cache_utils
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    specs = [dict(layer_specs)]
+    memory = [PLANNER_MEMORY]
+    if hasattr(planning, "get_global_kv_cache_groups"):
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+        resolve_kv_cache_layout(vllm_config, [["NHD"]], list(layer_specs.values()))
+        groups = planning.get_global_kv_cache_groups(vllm_config, specs)
+        kvc = planning.get_kv_cache_configs(vllm_config, specs, memory, groups)[0]
+    else:
+        kvc = planning.get_kv_cache_configs(vllm_config, specs, memory)[0]
+    resolve = getattr(planning, "resolve_kv_cache_block_sizes", None) or \
+        kv_cache_utils.resolve_kv_cache_block_sizes
+    scheduler_block_size, hash_block_size = resolve(kvc, vllm_config)
+    if "hash_block_size" in {f.name for f in dataclasses.fields(kvc)}:
+        kvc.hash_block_size = hash_block_size  # 0.33: the engine core records it
+    return kvc, scheduler_block_size, hash_block_size
 
 
 def dataclass_kwargs(cls: type, **kw: Any) -> Any:

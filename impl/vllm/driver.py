@@ -30,6 +30,7 @@ instrumentation never guesses.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from model.observations import (
     StepObs,
 )
 from model.tokens import DRAFT_TOKEN, OUTPUT_TOKEN, prompt_token
+from model.windows import startup_blocks
 
 from . import compat
 
@@ -258,9 +260,51 @@ class Driver:
                 raise ConfigUnsupported(
                     "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
                     "the block table (_relocate_speculative_block), not modeled yet")
+            # a hybrid model's config pads the Mamba page to the attention
+            # page (HybridAttentionMambaModelConfig), so both share one pool
+            pad = (kvi.FullAttentionSpec(**common).page_size_bytes
+                   if any(g.kind != "mamba" for g in cfg.groups) else None)
             return kvi.MambaSpec(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
-                                 mamba_cache_mode="align")
+                                 mamba_cache_mode="align", page_size_padded=pad)
         raise ConfigUnsupported(f"unknown kind {kind!r}")
+
+    def _plan(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
+        """The layout vLLM's engine would plan for one layer per group (layer
+        ``i`` of group ``i``): :func:`compat.plan_kv_cache`. A layout the
+        checker's model cannot state (the planner merging groups, reordering
+        them, giving a group another block size, or hashing at a finer grain
+        than ``B``) is refused with one line; one vLLM rejects is refused with
+        vLLM's reason."""
+        specs = {f"layer{i}": self._group_spec(g.kind, g.param, cfg)
+                 for i, g in enumerate(cfg.groups)}
+        try:
+            kvc, block_size, hash_block_size = compat.plan_kv_cache(vc, specs, cfg.num_blocks)
+        except Exception as e:  # noqa: BLE001 - vLLM's planner refuses the layout
+            m = re.search(r"estimated maximum model length is (\d+)", str(e))
+            if "serve at least one request" in str(e):
+                fits = f" (vLLM estimates max_model_len {m[1]} fits)" if m else ""
+                raise ConfigUnsupported(
+                    f"vllm {self.version} refuses to start: {cfg.num_blocks} blocks cannot "
+                    f"serve one request of max_model_len {cfg.max_model_len}{fits}; "
+                    f"num_blocks >= {startup_blocks(cfg)} always can") from None
+            raise ConfigUnsupported(f"vllm {self.version} cannot plan this KV-cache layout: "
+                                    f"{_one_line(e)}") from None
+        layers = [tuple(g.layer_names) for g in kvc.kv_cache_groups]
+        if layers != [(name,) for name in specs]:
+            raise ConfigUnsupported(
+                f"vllm {self.version} plans the {len(specs)} groups as {layers}; the checker "
+                "needs one group per configured group, in order")
+        sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+        if any(b != cfg.block_size for b in sizes) or \
+                (block_size, hash_block_size) != (cfg.block_size, cfg.block_size):
+            raise ConfigUnsupported(
+                f"vllm {self.version} plans group block sizes {sizes}, scheduler block "
+                f"{block_size}, hash block {hash_block_size}; per-group block sizes are "
+                f"not modeled yet (B={cfg.block_size} everywhere)")
+        if kvc.num_blocks != cfg.num_blocks:
+            raise ConfigUnsupported(
+                f"vllm {self.version} plans {kvc.num_blocks} blocks, not {cfg.num_blocks}")
+        return kvc, block_size, hash_block_size
 
     def reset(self, cfg: Config) -> Observed:
         if cfg.max_model_len > MODEL_MAX_LEN:
@@ -283,17 +327,12 @@ class Driver:
             raise ConfigUnsupported(
                 f"vllm {self.version} runs {vc.max_concurrent_batches} batch(es) in flight, "
                 f"not depth {cfg.depth}")
-        vc.cache_config.num_gpu_blocks = cfg.num_blocks
-        groups = [
-            self.kvi.KVCacheGroupSpec([f"layer{i}"], self._group_spec(g.kind, g.param, cfg))
-            for i, g in enumerate(cfg.groups)
-        ]
-        kvc = compat.kv_cache_config(self.kvi.KVCacheConfig, cfg.num_blocks, groups,
-                                     cfg.block_size)
+        kvc, block_size, hash_block_size = self._plan(vc, cfg)
+        vc.cache_config.num_gpu_blocks = kvc.num_blocks
         try:
             sched = cls(vllm_config=vc, kv_cache_config=kvc,
                         structured_output_manager=self.StructuredOutputManager(vc),
-                        **compat.scheduler_kwargs(cls, cfg.block_size))
+                        **compat.scheduler_kwargs(cls, block_size, hash_block_size))
         except _BROKEN:
             # vLLM's own code cannot build a layout its model code produces (a
             # manager's signature out of step with its caller): a target crash,
