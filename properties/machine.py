@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, Phase, reject, settings
@@ -56,6 +56,7 @@ from model.events import (
 )
 from model.observations import Observed
 from model.tokens import MAX_VARIANT
+from model.windows import startup_blocks
 from properties.invariants import Checker, Violation, expected_witnesses
 from properties.twin import Twin
 
@@ -155,15 +156,17 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
-        max_len = 8 * B * 4
-        # small pools half the time: pool pressure is where preemption, eviction
-        # of cached blocks and their reuse happen
-        num_blocks = draw(st.one_of(st.integers(6, 16), st.integers(6, 64)))
-        num_blocks += sum(len(g.spec.reserved_blocks(B)) for g in groups)
-        return Config(groups=groups, block_size=B, num_blocks=num_blocks,
-                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
-                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
-                      policy=spec.policy, hazard=hazard, prefix_caching=prefix)
+        # the longest request add_request draws (prompt 6B, outputs 2B or 5B)
+        max_len = (11 if spec.kind == "rswa" else 8) * B
+        cfg = Config(groups=groups, block_size=B, num_blocks=2,
+                     max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
+                     max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
+                     policy=spec.policy, hazard=hazard, prefix_caching=prefix)
+        # pools an engine starts with (one request of max_model_len fits), small
+        # ones half the time: pool pressure is where preemption, eviction of
+        # cached blocks and their reuse happen
+        extra = draw(st.one_of(st.integers(0, 10), st.integers(0, 58)))
+        return replace(cfg, num_blocks=startup_blocks(cfg) + extra)
 
     return build()
 
