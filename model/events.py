@@ -28,6 +28,11 @@ TRACE_VERSION = 1
 # the kinds the fuzzer, the prover and the targets take (model/kinds.py has their classes)
 KINDS = ("full", "sliding", "chunked_local", "mamba", "rswa", "sink")
 HAZARDS = ("ordered", "unordered")
+# how drafts are proposed when spec_tokens > 0: "ngram" (prompt lookup, no KV
+# of its own), "eagle" (a draft layer beside the model's: vLLM drops the last
+# block of a prefix hit, or hashes one token past each block, and never ends a
+# prefill chunk one token short of the prompt)
+DRAFTERS = ("ngram", "eagle")
 
 
 class TraceError(ValueError):
@@ -227,6 +232,7 @@ class Config:
     policy: str = "settled"
     hazard: str = "ordered"  # "unordered": a KV-consumer connector may write freed blocks
     prefix_caching: bool = False
+    drafter: str = "ngram"  # DRAFTERS; saved only when not "ngram"
 
     @property
     def kind(self) -> str:
@@ -239,12 +245,15 @@ class Config:
             f"{g} B={self.block_size} blocks={self.num_blocks} depth={self.depth} "
             f"spec={self.spec_tokens} policy={self.policy} hazard={self.hazard}"
             + (" prefix-caching" if self.prefix_caching else "")
+            + (f" drafter={self.drafter}" if self.drafter != "ngram" else "")
         )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["groups"] = [{"kind": g.kind, **({"param": g.param} if g.param else {})}
                        for g in self.groups]
+        if self.drafter == "ngram":
+            del d["drafter"]  # traces saved before drafters were configurable
         return d
 
     @staticmethod
@@ -312,6 +321,11 @@ class Config:
             raise TraceError("config: prefix_caching must be true or false")
         if self.max_num_batched_tokens <= self.spec_tokens:
             raise TraceError("config: the token budget must exceed spec_tokens")
+        if not isinstance(self.drafter, str) or self.drafter not in DRAFTERS:
+            raise TraceError(f"config: unknown drafter {self.drafter!r:.40} "
+                             f"(known: {', '.join(DRAFTERS)})")
+        if self.drafter != "ngram" and not self.spec_tokens:
+            raise TraceError(f"config: drafter {self.drafter} needs spec_tokens >= 1")
 
 
 def sliding(w: int, **kw: Any) -> Config:

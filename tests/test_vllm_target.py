@@ -406,7 +406,7 @@ def test_groups_the_planner_merges_are_refused():
     needs its groups as configured, so the layout is refused, not misread."""
     cfg = Config(groups=(Group("sliding", 8), Group("sliding", 8)), block_size=8,
                  num_blocks=64, max_model_len=64)
-    with pytest.raises(Unsupported, match="plans the 2 groups as"):
+    with pytest.raises(Unsupported, match="as groups"):
         target(FIXED).reset(cfg)
 
 
@@ -422,3 +422,30 @@ def test_mamba_beside_attention_shares_the_attention_page():
         assert [len(t) for t in rs.tables] == [rs.end // 8] * 3
         ids = [b for t in rs.tables for b in t if b != NULL]
         assert len(ids) == len(set(ids))  # one pool: no block in two groups
+
+
+# ------------------------------------------------------------------ EAGLE
+
+
+@pytest.mark.parametrize("version,hazard,hit", [
+    (FIXED, "ordered", 24),    # 0.33: lookahead hashes prove block 2's boundary token
+    (FIXED, "unordered", 16),  # a connector keeps the legacy hashes: the last block drops
+    (BUGGY, "ordered", 16),    # 0.25.1 always drops it
+])
+def test_an_eagle_prefix_hit_drops_its_last_block_unless_hashes_look_ahead(version, hazard, hit):
+    """drafter=eagle builds vLLM's EAGLE config (a draft layer grouped with
+    layer 0): a prefix hit on a 30-token prompt of B=8 keeps 3 full blocks,
+    minus EAGLE's dropped block where the hashes do not cover the next token."""
+    cfg = config_for("sliding", window=8, block_size=8, num_blocks=40, max_model_len=64,
+                     spec_tokens=2, drafter="eagle", prefix_caching=True, hazard=hazard,
+                     max_num_batched_tokens=32)
+    obs = run(version, cfg, [AddRequest("r0", 30, 4), Schedule(), Process(),
+                             AddRequest("r1", 30, 4), Schedule()])
+    r1 = [r for r in step_of(obs[-1]).reqs if r.rid == "r1"]
+    assert r1 and r1[0].start == hit
+
+
+def test_the_reference_refuses_an_eagle_drafter():
+    ref = make_target("reference")
+    with pytest.raises(Unsupported, match="drafter eagle"):
+        ref.reset(config_for("sliding", spec_tokens=2, drafter="eagle"))

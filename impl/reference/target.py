@@ -51,6 +51,9 @@ class ReferenceTarget:
             config.validate()
         except TraceError as e:
             raise Unsupported(str(e)) from None
+        if config.drafter != "ngram":
+            raise Unsupported(f"{self.name}: drafts come from prompt lookup here; drafter "
+                              f"{config.drafter} (hit drop, prefill lookahead) runs on vllm@")
         self._s = Scheduler(config)
         self._reqs = {}
         return Observed([], self._counters())

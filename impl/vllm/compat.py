@@ -148,9 +148,14 @@ def make_request(Request: type, rid: str, prompt: list[int], params: Any,
     return Request(**{k: v for k, v in kw.items() if k in names})
 
 
-def make_block_hasher(kv_cache_utils: Any, hashing: Any, algo: str, block_size: int) -> Any:
+def make_block_hasher(kv_cache_utils: Any, hashing: Any, algo: str, block_size: int,
+                      lookahead: int = 0) -> Any:
+    """The engine core's request block hasher; ``lookahead``: tokens past each
+    block its hash covers (0.33's ``num_hash_lookahead_tokens``, EAGLE)."""
     fn = hashing.get_hash_fn_by_name(algo)
     kv_cache_utils.init_none_hash(fn)
+    if lookahead:
+        return kv_cache_utils.get_request_block_hasher(block_size, fn, lookahead)
     return kv_cache_utils.get_request_block_hasher(block_size, fn)
 
 

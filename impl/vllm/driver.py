@@ -30,6 +30,7 @@ instrumentation never guesses.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections import deque
@@ -66,6 +67,10 @@ from model.windows import startup_blocks
 from . import compat
 
 MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
+# an EAGLE draft model's config (one Llama layer, no weights): vLLM wraps it as
+# EagleLlamaForCausalLM when SpeculativeConfig(method="eagle") reads it
+EAGLE_DIR = Path(__file__).resolve().parent / "tiny-eagle"
+DRAFT_LAYER = "draft"  # the EAGLE draft layer's name in the layer specs
 MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
 
 class ConfigUnsupported(Exception):
@@ -214,7 +219,13 @@ class Driver:
         if not probe and any(g.kind == "mamba" for g in cfg.groups):
             cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
         kw: dict[str, Any] = {}
-        if not probe and cfg.spec_tokens:
+        parallel = c["ParallelConfig"](pipeline_parallel_size=pp)
+        if not probe and cfg.spec_tokens and cfg.drafter == "eagle":
+            kw["speculative_config"] = c["SpeculativeConfig"](
+                method="eagle", model=str(EAGLE_DIR), num_speculative_tokens=cfg.spec_tokens,
+                target_model_config=model, target_parallel_config=parallel,
+            )
+        elif not probe and cfg.spec_tokens:
             kw["speculative_config"] = c["SpeculativeConfig"](
                 method="ngram_gpu", num_speculative_tokens=cfg.spec_tokens,
                 prompt_lookup_min=1, prompt_lookup_max=3,
@@ -227,7 +238,7 @@ class Driver:
         return c["VllmConfig"](
             model_config=model, cache_config=cache, scheduler_config=sched,
             device_config=c["DeviceConfig"](device="cpu"),
-            parallel_config=c["ParallelConfig"](pipeline_parallel_size=pp),
+            parallel_config=parallel,
             **kw,
         )
 
@@ -277,6 +288,15 @@ class Driver:
         vLLM's reason."""
         specs = {f"layer{i}": self._group_spec(g.kind, g.param, cfg)
                  for i, g in enumerate(cfg.groups)}
+        want = [(name,) for name in specs]
+        if cfg.spec_tokens and cfg.drafter == "eagle":
+            # EAGLE's draft layer, of the first group's spec: vLLM's planner
+            # groups it with layer0 and (0.33) marks that group an EAGLE group
+            first = specs["layer0"]
+            specs[DRAFT_LAYER] = (dataclasses.replace(first, is_draft=True)
+                                  if "is_draft" in {f.name for f in dataclasses.fields(first)}
+                                  else first)
+            want[0] = ("layer0", DRAFT_LAYER)
         try:
             kvc, block_size, hash_block_size = compat.plan_kv_cache(vc, specs, cfg.num_blocks)
         except Exception as e:  # noqa: BLE001 - vLLM's planner refuses the layout
@@ -290,10 +310,11 @@ class Driver:
             raise ConfigUnsupported(f"vllm {self.version} cannot plan this KV-cache layout: "
                                     f"{_one_line(e)}") from None
         layers = [tuple(g.layer_names) for g in kvc.kv_cache_groups]
-        if layers != [(name,) for name in specs]:
+        if layers != want:
             raise ConfigUnsupported(
-                f"vllm {self.version} plans the {len(specs)} groups as {layers}; the checker "
-                "needs one group per configured group, in order")
+                f"vllm {self.version} plans the layers {list(specs)} as groups {layers}; the "
+                "checker needs one group per configured group, in order (an EAGLE draft "
+                "layer with the first group)")
         sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
         if any(b != cfg.block_size for b in sizes) or \
                 (block_size, hash_block_size) != (cfg.block_size, cfg.block_size):
@@ -312,7 +333,7 @@ class Driver:
         cls, async_, pp = self._depth_mode(cfg.depth)
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
-               cfg.hazard, any(g.kind == "mamba" for g in cfg.groups))
+               cfg.hazard, any(g.kind == "mamba" for g in cfg.groups), cfg.drafter)
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:
@@ -358,7 +379,7 @@ class Driver:
         if cfg.prefix_caching or self.connector is not None:
             self.block_hasher = compat.make_block_hasher(
                 self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
-                cfg.block_size)
+                cfg.block_size, getattr(vc, "num_hash_lookahead_tokens", 0))
         self.bound = tuple(
             compat.admission_cap(m) or -(-cfg.max_model_len // cfg.block_size)
             for m in self.mgrs
