@@ -8,11 +8,15 @@ or is unsupported.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from impl.target import TargetCrash, TargetError, Unsupported
 from model.events import KINDS, TraceError
+from properties.database import DatabaseError
 from properties.replay import InvalidEvent
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_TARGET = 0, 1, 2, 3
@@ -156,7 +160,7 @@ def cmd_fuzz(a) -> int:
     from properties.machine import FuzzSpec, fuzz
     from properties.replay import format_timeline, replay
 
-    policy = a.policy or "settled"
+    policy = "settled" if a.policy is None else a.policy
     spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
                     spec_tokens=a.spec_tokens, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
@@ -164,8 +168,9 @@ def cmd_fuzz(a) -> int:
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
                     aligned_loads=not a.unaligned_loads)
     _validate_spec(spec, a)
+    _usable_out(a.out)
     db = None
-    if a.db:
+    if a.db is not None:
         from properties.database import open_database
 
         db = open_database(a.db)
@@ -211,15 +216,15 @@ def cmd_fuzz(a) -> int:
         return EXIT_TARGET
     if res.violation is not None:
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
-        path = res.trace.save(Path(a.out) / f"{name}.json")
-        print(f"verdict: VIOLATION of property {res.violation.prop} ({res.violation.name}) "
+        rr = replay(res.trace, target)  # the shrunk trace, as it is saved
+        v = rr.first or res.violation
+        print(f"verdict: VIOLATION of property {v.prop} ({v.name}) "
               f"after shrinking to {len(res.trace.events)} events")
-        rr = replay(res.trace, target)
         print(format_timeline(rr))
-        print(f"trace saved: {path}")
-        print(f"replay: ./kvcheck replay {path} --target {a.target}")
-        if a.report:
-            _print_report(rr, path.parent, path.stem, a.target)
+        rep = _save_counterexample(rr, Path(a.out), name, a.target, a.report)
+        print(f"trace saved: {rep.trace}")
+        print(f"replay: ./kvcheck replay {rep.trace} --target {a.target}")
+        _print_report_paths(rep)
         return EXIT_VIOLATION
     vac = res.vacuous
     if vac:
@@ -275,6 +280,8 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):
         raise UsageError("--examples and --steps must be positive")
+    if a.attention_every < 0:
+        raise UsageError(f"--attention-every {a.attention_every}: must be >= 0 (0: never)")
 
 
 def _check_capabilities(target, spec) -> None:
@@ -283,11 +290,29 @@ def _check_capabilities(target, spec) -> None:
     fit_spec(target.name, target.capabilities, spec)
 
 
+def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
+    """The trace, picture and reproducer under one fresh name in ``out``; where
+    ``out`` cannot be written after all, in a new temporary folder (printed)."""
+    import tempfile
+
+    from properties.report import save_counterexample
+
+    try:
+        return save_counterexample(rr, out, name, target, report)
+    except OSError as e:
+        alt = Path(tempfile.mkdtemp(prefix="kvcheck-"))
+        print(f"cannot write in {out} ({e.strerror or e}); saving in {alt} instead")
+        return save_counterexample(rr, alt, name, target, report)
+
+
 def _print_report(rr, out: Path, name: str, target: str) -> None:
     """Write the counterexample's picture and pytest reproducer; print their paths."""
     from properties.report import write_report
 
-    rep = write_report(rr, out, name, target)
+    _print_report_paths(write_report(rr, out, name, target))
+
+
+def _print_report_paths(rep) -> None:
     if rep.png:
         print(f"picture: {rep.png}")
     if rep.reproducer:
@@ -295,6 +320,41 @@ def _print_report(rr, out: Path, name: str, target: str) -> None:
               f"target)")
     for e in rep.errors:
         print(f"report: {e}")
+
+
+_CREATED: list[Path] = []  # output folders made by _usable_out, removed at exit if empty
+
+
+def _usable_out(path: str, flag: str = "--out") -> None:
+    """Refuse an output folder that cannot take files, before the run starts
+    (exit 2): an existing file, a folder that cannot be written, a missing
+    one that cannot be created. A folder created here and left empty is
+    removed when the command ends."""
+    p = Path(path)
+    if not str(path).strip():
+        raise UsageError(f"{flag} '': name a folder")
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a folder")
+    made = []
+    q = p
+    while not q.exists() and not q.is_symlink():
+        made.append(q)
+        q = q.parent
+    try:
+        for d in reversed(made):
+            d.mkdir()
+            _CREATED.append(d)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".kvcheck-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _remove_created() -> None:
+    while _CREATED:
+        with contextlib.suppress(OSError):
+            _CREATED.pop().rmdir()  # only if still empty
 
 
 # ------------------------------------------------------------------- replay
@@ -307,7 +367,7 @@ def cmd_replay(a) -> int:
     from properties.replay import format_timeline, replay
 
     trace = Trace.load(a.trace)
-    if a.policy:
+    if a.policy is not None:
         from model.policy import REGISTRY
 
         if a.policy not in REGISTRY:
@@ -369,12 +429,13 @@ def cmd_prove(a) -> int:
     from model import proof
 
     kinds = [a.kind] if a.kind else None
-    policies = [a.policy] if a.policy else None
-    if a.policy:
+    policies = [a.policy] if a.policy is not None else None
+    if a.policy is not None:
         from model.policy import REGISTRY
 
         if a.policy not in REGISTRY:
             raise UsageError(f"unknown policy {a.policy!r} (known: {', '.join(REGISTRY)})")
+    _usable_out(a.out)
     results = proof.prove_all(kinds=kinds, policies=policies)
     for r in results:
         if r.trace is not None:
@@ -394,19 +455,44 @@ def cmd_prove(a) -> int:
 def cmd_check(a) -> int:
     from cli.check import run_check
 
+    if a.examples < 1:
+        raise UsageError(f"--examples {a.examples}: must be positive")
+    if a.seed < 0:
+        raise UsageError(f"--seed {a.seed}: must be >= 0")
+    _usable_out(a.out)
     return run_check(a)
+
+
+def _check_environment() -> None:
+    """The environment variables kvcheck reads, checked before anything runs
+    (``KVCHECK_REDIS_URL`` is checked, and tried, where the database opens)."""
+    import math
+
+    v = os.environ.get("KVCHECK_VLLM_START_TIMEOUT")
+    if v is not None:
+        try:
+            t = float(v)
+        except ValueError:
+            t = math.nan
+        if not (math.isfinite(t) and t > 0):
+            raise UsageError(f"KVCHECK_VLLM_START_TIMEOUT={v[:40]!r}: must be a number of "
+                             f"seconds > 0")
+    from properties.database import redis_url
+
+    redis_url()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
+        _check_environment()
         if a.cmd is None:
             parser.print_help()
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
                 "check": cmd_check}[a.cmd](a)
-    except (UsageError, TraceError, Unsupported) as e:
+    except (UsageError, TraceError, Unsupported, DatabaseError) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except InvalidEvent as e:  # a trace event the target's state does not allow
@@ -421,3 +507,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvcheck: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _remove_created()

@@ -33,7 +33,10 @@ A reviewer gets three views of one violating trace (a :class:`ReplayResult`):
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -710,12 +713,14 @@ def reproducer_source(trace: Trace, target: str, name: str,
 
 def write_reproducer(trace: Trace, path: str | Path, target: str | None = None,
                      repo_root: str | Path | None = None) -> Path:
-    """Write a standalone pytest file replaying ``trace`` (see the module doc)."""
+    """Write a standalone pytest file replaying ``trace`` (see the module doc);
+    never over an existing file (``FileExistsError``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = target or trace.meta.get("target") or "reference"
     name = path.stem[5:] if path.stem.startswith("test_") else path.stem
-    path.write_text(reproducer_source(trace, target, name, repo_root, path.name))
+    with open(path, "x") as f:
+        f.write(reproducer_source(trace, target, name, repo_root, path.name))
     return path
 
 
@@ -724,35 +729,143 @@ class ReportPaths:
     png: Path | None
     reproducer: Path | None
     errors: list[str] = field(default_factory=list)
+    trace: Path | None = None
+
+
+def with_violation(trace: Trace, res: ReplayResult) -> Trace:
+    """``trace`` with ``meta.violation`` set to what a replay of that very
+    trace reports (``res``), so the message names the requests and blocks of
+    the trace as saved, after shrinking and renaming."""
+    meta = dict(trace.meta)
+    if res.first is not None:
+        meta["violation"] = str(res.first)
+    elif res.crash is not None:
+        meta["violation"] = "target crash: " + res.crash.strip().splitlines()[0][:200]
+    elif "violation" in meta:
+        meta["violation"] = f"{meta['violation']} (a replay of this trace did not reproduce it)"
+    return Trace(trace.config, trace.events, meta)
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _temp(out: Path, suffix: str, data: bytes | None = None) -> Path:
+    fd, name = tempfile.mkstemp(dir=out, prefix=".kvcheck-", suffix=suffix)
+    os.fchmod(fd, 0o666 & ~_umask())  # as an ordinary new file, not mkstemp's 0600
+    with os.fdopen(fd, "wb") as f:
+        if data is not None:
+            f.write(data)
+    return Path(name)
+
+
+def _place(tmp: Path, final: Path) -> None:
+    """Give the finished file ``tmp`` the name ``final`` unless that name is
+    taken (``FileExistsError``): a hard link is atomic and never replaces; a
+    file system without links gets an exclusive create and a copy."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS,
+                           errno.EXDEV, errno.EMLINK):
+            raise
+        with open(final, "xb") as f:
+            f.write(tmp.read_bytes())
+
+
+FILES = ("json", "png", "py")
+
+
+def _file_names(stem: str) -> dict[str, str]:
+    return {"json": f"{stem}.json", "png": f"{stem}.png", "py": f"test_{_identifier(stem)}.py"}
+
+
+def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | None,
+                 trace: Trace, want: tuple[str, ...], reserve: tuple[str, ...]) -> ReportPaths:
+    """Write the files ``want`` (of ``json``, ``png``, ``py``) together under
+    the first name ``NAME``, ``NAME-1``, ... for which none of the files
+    ``reserve`` exists. Each is written to a temporary file in ``out`` first
+    and then linked to its name, so no file is ever overwritten and none is
+    seen half written; a name another writer takes meanwhile is given back
+    and the next one tried."""
+    out = Path(out)
+    target = target or trace.meta.get("target") or "reference"
+    paths = ReportPaths(None, None)
+    out.mkdir(parents=True, exist_ok=True)
+    temps: dict[str, Path] = {}
+    try:
+        if "json" in want:
+            temps["json"] = _temp(out, ".json", trace.dumps().encode())
+        if "png" in want:
+            tmp = temps["png"] = _temp(out, ".png")
+            try:
+                render_png(build_grid(res, target), tmp)
+            except Exception as e:  # noqa: BLE001 - a report must never hide the verdict
+                paths.errors.append(f"picture not written: {type(e).__name__}: {e}")
+                del temps["png"]
+                tmp.unlink(missing_ok=True)
+        for n in range(100_000):
+            stem = name if n == 0 else f"{name}-{n}"
+            names = _file_names(stem)
+            if any((out / names[k]).exists() for k in reserve):
+                continue
+            if "py" in want:
+                if "py" in temps:
+                    temps.pop("py").unlink(missing_ok=True)
+                src = reproducer_source(trace, target, stem, None, names["py"])
+                temps["py"] = _temp(out, ".py", src.encode())
+            placed: list[Path] = []
+            try:
+                for k in FILES:
+                    if k in temps:
+                        _place(temps[k], out / names[k])
+                        placed.append(out / names[k])
+            except FileExistsError:  # another writer took the name meanwhile
+                for q in placed:
+                    q.unlink(missing_ok=True)
+                continue
+            paths.trace = out / names["json"] if "json" in temps else None
+            paths.png = out / names["png"] if "png" in temps else None
+            paths.reproducer = out / names["py"] if "py" in temps else None
+            return paths
+        raise FileExistsError(f"no free name for {name!r} in {out}")
+    finally:
+        for t in temps.values():
+            t.unlink(missing_ok=True)
+
+
+def save_counterexample(res: ReplayResult, out: str | Path, name: str,
+                        target: str | None = None, report: bool = True) -> ReportPaths:
+    """A counterexample's trace ``<out>/NAME.json`` and, with ``report``, its
+    picture ``NAME.png`` and reproducer ``test_NAME.py``, written together
+    under one fresh ``NAME`` (``name``, else ``name-1``, ...: none of the three
+    may exist). The trace saved is ``res.trace`` with ``meta.violation`` taken
+    from ``res`` (a replay of that trace). ``OSError`` if the trace cannot be
+    written; a picture that cannot be drawn is listed in ``errors``."""
+    trace = with_violation(res.trace, res)
+    want = FILES if report else ("json",)
+    return _write_group(res, out, name, target, trace, want, FILES)
 
 
 def write_report(res: ReplayResult, out: str | Path, name: str, target: str | None = None,
                  png: bool = True, reproducer: bool = True) -> ReportPaths:
-    """``<out>/<name>.png`` and ``<out>/test_<name>.py`` for a replay. Errors
-    drawing or writing are collected, never raised: the trace is what matters."""
-    out = Path(out)
-    target = target or res.trace.meta.get("target") or "reference"
-    paths = ReportPaths(None, None)
-    if png:
-        try:
-            paths.png = render_png(build_grid(res, target), out / f"{name}.png")
-        except Exception as e:  # noqa: BLE001 - a report must never hide the verdict
-            paths.errors.append(f"picture not written: {type(e).__name__}: {e}")
-    if reproducer:
-        try:
-            trace = res.trace
-            if res.first is not None and "violation" not in trace.meta:
-                trace = Trace(trace.config, trace.events,
-                              {**trace.meta, "violation": str(res.first)})
-            paths.reproducer = write_reproducer(trace, out / f"test_{_identifier(name)}.py",
-                                                target)
-        except OSError as e:
-            paths.errors.append(f"reproducer not written: {e}")
-    return paths
+    """``<out>/<name>.png`` and ``<out>/test_<name>.py`` for a replay, under
+    ``name-1``, ... where either exists (never over a file). Errors drawing
+    or writing are collected, never raised: the trace is what matters."""
+    trace = with_violation(res.trace, res) if res.first is not None else res.trace
+    want = tuple(k for k, on in (("png", png), ("py", reproducer)) if on)
+    try:
+        return _write_group(res, out, name, target, trace, want, want)
+    except OSError as e:
+        return ReportPaths(None, None, [f"report not written in {out}: {e}"])
 
 
 __all__ = [
     "STATES", "Cell", "Grid", "Lane", "Mark", "ReadWindow", "ReportPaths", "RowInfo",
-    "build_grid", "render_png", "render_timeline", "reproducer_source", "write_reproducer",
-    "write_report",
+    "build_grid", "render_png", "render_timeline", "reproducer_source", "save_counterexample",
+    "with_violation", "write_reproducer", "write_report",
 ]
