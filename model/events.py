@@ -15,6 +15,8 @@ the CLI turns it into exit status 2) for anything malformed.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,25 @@ from .kinds import Kind, make_kind
 from .tokens import MAX_VARIANT
 
 TRACE_VERSION = 1
+
+# The stated input limits (README, "Input limits"): a trace or config past one
+# is refused with one line (exit 2) before anything is allocated for it.
+MAX_TRACE_BYTES = 64 * 2**20  # a trace file
+MAX_NESTING = 32  # JSON nesting depth (a trace needs 4; meta may use the rest)
+MAX_EVENTS = 1_000_000  # events in one trace
+MAX_REQUESTS = 100_000  # AddRequest events in one trace
+MAX_ID_LEN = 256  # characters of a request id
+MAX_NUM_BLOCKS = 262_144  # physical blocks in the pool (NULL included)
+MAX_MODEL_LEN = 131_072  # tokens of one request (prompt + new); also caps block_size,
+#                            window, chunk, sink, the token budget and first_bad_block
+MAX_NUM_SEQS = 4_096  # requests running at once
+MAX_SPEC_TOKENS = 64  # draft tokens per decode
+LIMITS = {
+    "trace bytes": MAX_TRACE_BYTES, "JSON nesting": MAX_NESTING, "events": MAX_EVENTS,
+    "requests": MAX_REQUESTS, "request id characters": MAX_ID_LEN,
+    "num_blocks": MAX_NUM_BLOCKS, "max_model_len (tokens per request)": MAX_MODEL_LEN,
+    "max_num_seqs": MAX_NUM_SEQS, "spec_tokens": MAX_SPEC_TOKENS,
+}
 
 # the kinds the fuzzer, the prover and the targets take (model/kinds.py has their classes)
 KINDS = ("full", "sliding", "chunked_local", "mamba", "rswa", "sink")
@@ -131,6 +152,8 @@ def event_to_json(ev: Event) -> dict[str, Any]:
 def event_from_json(d: Any, where: str = "event") -> Event:
     if not isinstance(d, dict) or "type" not in d:
         raise TraceError(f"{where}: expected an object with a 'type' field, got {d!r:.80}")
+    if not isinstance(d["type"], str):
+        raise TraceError(f"{where}: 'type' must be an event name, got {d['type']!r:.60}")
     cls = EVENT_TYPES.get(d["type"])
     if cls is None:
         raise TraceError(
@@ -159,6 +182,30 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _short(v: Any) -> str:
+    """``repr(v)`` cut to a readable length (a 4,000-digit integer included)."""
+    if _is_int(v) and abs(v) >= 10**18:
+        return f"an integer of about {len(str(abs(v)))} digits"
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _nesting(doc: Any) -> int:
+    """How deeply ``doc`` nests lists and objects (walked without recursion)."""
+    deepest, todo = 0, [(doc, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        elif not isinstance(x, list):
+            continue
+        deepest = max(deepest, d)
+        if d > MAX_NESTING:
+            break
+        todo.extend((y, d + 1) for y in x if isinstance(y, (list, dict)))
+    return deepest
+
+
 def _check_meta(meta: dict[str, Any]) -> None:
     """The meta fields that steer a replay: ``props`` narrows what is checked,
     ``target`` picks where it runs; anything else there is free text."""
@@ -176,15 +223,19 @@ def _check_event_types(ev: Event, where: str) -> None:
     for f in fields(ev):
         v = getattr(ev, f.name)
         if f.name == "id":
-            if not isinstance(v, str) or not v:
-                raise TraceError(f"{where}: 'id' must be a non-empty string")
+            if not isinstance(v, str) or not v or len(v) > MAX_ID_LEN:
+                raise TraceError(f"{where}: 'id' must be a non-empty string of at most "
+                                 f"{MAX_ID_LEN} characters")
         elif f.name == "accepted":
             if not isinstance(v, dict) or not all(
                 isinstance(k, str) and _is_int(n) and n >= 0 for k, n in v.items()
             ):
                 raise TraceError(f"{where}: 'accepted' must map request ids to counts >= 0")
         elif not _is_int(v) or v < 0:
-            raise TraceError(f"{where}: {f.name!r} must be an integer >= 0, got {v!r}")
+            raise TraceError(f"{where}: {f.name!r} must be an integer >= 0, got {_short(v)}")
+        elif v > MAX_MODEL_LEN:
+            raise TraceError(f"{where}: {f.name!r} {_short(v)} over the limit of "
+                             f"{MAX_MODEL_LEN:,}")
 
 
 # --------------------------------------------------------------------- config
@@ -284,14 +335,30 @@ class Config:
 
     def validate(self) -> None:
         """Raise :class:`TraceError` for an impossible config."""
-        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
-                     "max_model_len", "depth"):
+        for name, top in (("block_size", MAX_MODEL_LEN), ("num_blocks", MAX_NUM_BLOCKS),
+                          ("max_num_batched_tokens", MAX_MODEL_LEN),
+                          ("max_num_seqs", MAX_NUM_SEQS), ("max_model_len", MAX_MODEL_LEN),
+                          ("depth", 4)):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
-                raise TraceError(f"config: {name} must be a positive integer, got {v!r}")
+                raise TraceError(f"config: {name} must be a positive integer, got {_short(v)}")
+            if v > top:
+                what = "unsupported (1 sync, 2 async, 3-4 PP)" if name == "depth" else \
+                    f"over the limit of {top:,}"
+                raise TraceError(f"config: {name} {_short(v)} {what}")
+        for name in ("policy", "hazard"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                raise TraceError(f"config: {name} must be a name, got {_short(v)}")
+        if not isinstance(self.groups, tuple) or not self.groups:
+            raise TraceError("config: 'groups' must be a non-empty list")
         for g in self.groups:
             if not isinstance(g.kind, str) or g.kind not in KINDS:
-                raise TraceError(f"config: unknown kind {g.kind!r} (known: {', '.join(KINDS)})")
+                raise TraceError(f"config: unknown kind {_short(g.kind)} "
+                                 f"(known: {', '.join(KINDS)})")
+            if not _is_int(g.param) or not 0 <= g.param <= MAX_MODEL_LEN:
+                raise TraceError(f"config: {g.kind}'s parameter must be an integer in "
+                                 f"0..{MAX_MODEL_LEN:,}, got {_short(g.param)}")
             why = g.spec.problem(self.block_size)
             if why:
                 raise TraceError(f"config: {why}")
@@ -299,12 +366,9 @@ class Config:
         if reserved and self.num_blocks < reserved + 3:
             raise TraceError(f"config: num_blocks {self.num_blocks} leaves no room beside the "
                              f"NULL block and {reserved} reserved sink block(s)")
-        if not _is_int(self.spec_tokens) or self.spec_tokens < 0:
-            raise TraceError(
-                f"config: spec_tokens must be an integer >= 0, got {self.spec_tokens!r}"
-            )
-        if self.depth > 4:
-            raise TraceError(f"config: depth {self.depth} unsupported (1 sync, 2 async, 3-4 PP)")
+        if not _is_int(self.spec_tokens) or not 0 <= self.spec_tokens <= MAX_SPEC_TOKENS:
+            raise TraceError(f"config: spec_tokens must be an integer in 0..{MAX_SPEC_TOKENS}, "
+                             f"got {_short(self.spec_tokens)}")
         if self.num_blocks < 2:
             raise TraceError("config: num_blocks must leave room beside the NULL block")
         from .policy import REGISTRY
@@ -384,15 +448,28 @@ class Trace:
         return body + ',\n  "events": [\n  ' + ",\n  ".join(lines) + "\n  ]\n}\n"
 
     def save(self, path: str | Path) -> Path:
-        """Write the trace; never overwrites an existing file (a suffix is added)."""
+        """Write the trace; never overwrites an existing file (a suffix is added).
+        Written to a temporary file first and linked to the first free name, so
+        concurrent savers each get their own file and none is seen half written."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        stem, suffix, n = p.stem, p.suffix or ".json", 1
-        while p.exists():
-            p = p.with_name(f"{stem}-{n}{suffix}")
-            n += 1
-        p.write_text(self.dumps())
-        return p
+        stem, suffix = p.stem, p.suffix or ".json"
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".kvcheck-", suffix=suffix)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # as an ordinary new file, not mkstemp's 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.dumps())
+            for n in range(1, 100_001):
+                try:
+                    os.link(tmp, p)
+                    return p
+                except FileExistsError:
+                    p = p.with_name(f"{stem}-{n}{suffix}")
+            raise FileExistsError(f"no free name for {path}")
+        finally:
+            os.unlink(tmp)
 
     @staticmethod
     def from_json(d: Any) -> Trace:
@@ -406,10 +483,15 @@ class Trace:
         extra = set(d) - {"version", "config", "events", "meta"}
         if extra:
             raise TraceError(f"trace: unknown field(s) {sorted(extra)}")
+        depth = _nesting(d)
+        if depth > MAX_NESTING:
+            raise TraceError(f"trace: nested more than {MAX_NESTING} levels deep")
         cfg = Config.from_json(d.get("config"))
         evs = d.get("events")
         if not isinstance(evs, list):
             raise TraceError("trace: 'events' must be a list")
+        if len(evs) > MAX_EVENTS:
+            raise TraceError(f"trace: {len(evs):,} events, over the limit of {MAX_EVENTS:,}")
         events = [event_from_json(e, f"events[{i}]") for i, e in enumerate(evs)]
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
@@ -422,17 +504,42 @@ class Trace:
     @staticmethod
     def load(path: str | Path) -> Trace:
         try:
-            text = Path(path).read_text()
+            with open(path, "rb") as f:
+                data = f.read(MAX_TRACE_BYTES + 1)
         except OSError as e:
             raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+        if len(data) > MAX_TRACE_BYTES:
+            raise TraceError(f"{path}: larger than the limit of {MAX_TRACE_BYTES:,} bytes")
         try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        d = loads_trace_json(text, str(path))
         try:
             return Trace.from_json(d)
         except TraceError as e:
             raise TraceError(f"{path}: {e}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise TraceError(f"{name} is not a JSON number")
+
+
+def loads_trace_json(text: str, where: str = "trace") -> Any:
+    """``json.loads`` for trace text: every failure a :class:`TraceError` (one
+    line), the nesting limit (:data:`MAX_NESTING`) and Python's limit on
+    integer digits (4,300) included; ``NaN`` and ``Infinity`` refused."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: nested more than {MAX_NESTING} levels deep") from None
+    except TraceError as e:
+        raise TraceError(f"{where}: {e}") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise TraceError(f"{where}: a number too long to read "
+                         f"({str(e).split(':')[0].split(' for ')[0]})") from None
 
 
 def check_consistent(t: Trace) -> None:
@@ -445,6 +552,8 @@ def check_consistent(t: Trace) -> None:
         if isinstance(ev, AddRequest):
             if ev.id in seen:
                 raise TraceError(f"{where}: request id {ev.id!r} added twice")
+            if len(seen) >= MAX_REQUESTS:
+                raise TraceError(f"{where}: more than {MAX_REQUESTS:,} requests")
             if ev.prompt_len < 1 or ev.max_new_tokens < 1:
                 raise TraceError(f"{where}: prompt_len and max_new_tokens must be >= 1")
             if ev.external_tokens >= ev.prompt_len:

@@ -3,25 +3,75 @@
 A directory by default (``DirectoryBasedExampleDatabase``); a Redis database
 when ``KVCHECK_REDIS_URL`` is set, so several machines share one corpus.
 Either way a failure found once is replayed first on every later run.
+
+A URL that is not a Redis URL, or a server that does not answer within
+:data:`REDIS_TIMEOUT_S`, raises :class:`DatabaseError` (one line; the CLI
+exits 2), as does a database path that is empty or names a file.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_TIMEOUT_S = 5.0
 
 
-def open_database(path: str | Path | None = None) -> ExampleDatabase:
+class DatabaseError(ValueError):
+    """The example database named by a flag or ``KVCHECK_REDIS_URL`` is unusable."""
+
+
+def _where(url: str) -> str:
+    """The URL without its password, for messages."""
+    u = urlsplit(url)
+    host = u.hostname or ""
+    port = f":{u.port}" if u.port else ""
+    return f"{u.scheme}://{host}{port}{u.path if u.scheme == 'unix' else ''}"
+
+
+def redis_url() -> str | None:
+    """``KVCHECK_REDIS_URL`` if set and not empty, checked to be a Redis URL."""
     url = os.environ.get("KVCHECK_REDIS_URL")
+    if not url:
+        return None
+    try:
+        u = urlsplit(url.strip())
+        u.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as e:
+        raise DatabaseError(f"KVCHECK_REDIS_URL is not a URL ({e})") from None
+    if u.scheme not in REDIS_SCHEMES or not (u.hostname or u.path):
+        raise DatabaseError(f"KVCHECK_REDIS_URL {url[:60]!r} is not a Redis URL "
+                            f"(redis://HOST:PORT/DB, rediss://..., unix:///PATH)")
+    return url.strip()
+
+
+def open_database(path: str | Path | None = None):
+    """The example database: Redis where ``KVCHECK_REDIS_URL`` is set (it must
+    answer a ping), else the directory ``path`` (default ``.hypothesis/kvcheck``)."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    url = redis_url()
     if url:
         try:
             import redis
             from hypothesis.extra.redis import RedisExampleDatabase
         except ImportError as e:  # pragma: no cover - redis is a pinned dependency
-            raise RuntimeError(f"KVCHECK_REDIS_URL is set but redis is not installed: {e}") from e
-        client = redis.Redis.from_url(url)
-        client.ping()
+            raise DatabaseError(f"KVCHECK_REDIS_URL is set but redis is not installed: {e}") \
+                from None
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                          socket_timeout=REDIS_TIMEOUT_S)
+            client.ping()
+        except (redis.RedisError, ValueError, OSError) as e:
+            msg = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise DatabaseError(f"KVCHECK_REDIS_URL {_where(url)}: no Redis server answers "
+                                f"({msg})") from None
         return RedisExampleDatabase(client, key_prefix=b"kvcheck:")
-    return DirectoryBasedExampleDatabase(str(path or ".hypothesis/kvcheck"))
+    if path is not None and not str(path).strip():
+        raise DatabaseError("--db '': name a folder")
+    p = Path(path or ".hypothesis/kvcheck")
+    if p.exists() and not p.is_dir():
+        raise DatabaseError(f"example database {p}: exists and is not a folder")
+    return DirectoryBasedExampleDatabase(str(p))

@@ -79,7 +79,13 @@ def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool =
     rt.reset(rcfg)
     diffs: list[Difference] = []
     for i, ev in enumerate(trace.events):
-        lo, ro = lt.apply(ev), rt.apply(ev)
+        try:
+            lo, ro = lt.apply(ev), rt.apply(ev)
+        except ValueError as e:  # a target refused the event: the trace is not valid for it
+            from properties.replay import InvalidEvent
+
+            raise InvalidEvent(f"event {i} ({type(ev).__name__}) is not valid here: {e}") \
+                from None
         ls, rs = _steps(lo, physical), _steps(ro, physical)
         if ls != rs:
             diffs.append(Difference(i, f"{type(ev).__name__}: scheduled steps differ",

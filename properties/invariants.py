@@ -325,7 +325,9 @@ class Checker:
                       P: int | None) -> int | None:
         """The first position in ``[lo, hi)`` whose window reaches ``logical``."""
         x0, x1 = logical * self.B, (logical + 1) * self.B
-        for t in range(lo, hi):
+        # attention is causal (position t reads nothing past t), so no position
+        # before x0 reaches the block: the scan starts there, not at lo
+        for t in range(max(lo, x0), hi):
             if any(x < x1 and y > x0 for x, y in reads(g, t, P)):
                 return t
         return None

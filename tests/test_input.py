@@ -1,0 +1,342 @@
+"""Every input to the CLI's contract (issue 14): one line and exit 2 for bad
+input, never a traceback, never a file of the user's overwritten; the saved
+counterexample describes the trace as saved."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import stat
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from model.events import (
+    MAX_MODEL_LEN,
+    MAX_NESTING,
+    MAX_NUM_BLOCKS,
+    AddRequest,
+    Schedule,
+    Trace,
+    TraceError,
+    config_for,
+)
+from properties.replay import replay
+from properties.report import save_counterexample, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+FUZZ_NAME = "reference-sliding-optimistic"  # the name fuzz gives the run below
+FUZZ = ["fuzz", "--kind", "sliding", "--policy", "optimistic", "--depth", "2",
+        "--examples", "300", "--seed", "0", "--quiet"]
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in this process; (exit status, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code: int, out: str, err: str, expect: int = 2) -> str:
+    assert code == expect, (code, out, err)
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def base_trace(**cfg) -> dict:
+    return {"version": 1,
+            "config": {"groups": [{"kind": "sliding", "param": 16}], "block_size": 16,
+                       "num_blocks": 64, "max_num_batched_tokens": 64, "depth": 2,
+                       "policy": "optimistic", **cfg},
+            "events": [{"type": "AddRequest", "id": "r0", "prompt_len": 100,
+                        "max_new_tokens": 8}, {"type": "Schedule"}, {"type": "Schedule"}]}
+
+
+def snapshot(folder: Path, skip: Path | None = None) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and (skip is None or skip not in p.parents)}
+
+
+# ------------------------------------------------------- output never destroys
+
+
+def test_fuzz_keeps_files_beside_its_name_and_saves_all_three_under_a_new_one(tmp_path,
+                                                                               capsys):
+    out = tmp_path / "ce"
+    out.mkdir()
+    mine = {f"{FUZZ_NAME}.png": b"my picture", f"test_{FUZZ_NAME.replace('-', '_')}.py":
+            b"my test", "reference-sliding-optimistic-1.json": b"my trace"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    code, text, err = cli(capsys, *FUZZ, "--out", str(out))
+    assert code == 1, text + err
+    for name, data in mine.items():  # byte for byte
+        assert (out / name).read_bytes() == data
+    saved = {line.split(": ", 1)[0]: Path(line.split(": ", 1)[1].split()[0])
+             for line in text.splitlines()
+             if line.startswith(("trace saved:", "picture:", "reproducer:"))}
+    # neither NAME (its picture exists) nor NAME-1 (its trace exists): NAME-2 for all three
+    assert saved["trace saved"] == out / f"{FUZZ_NAME}-2.json"
+    assert saved["picture"] == out / f"{FUZZ_NAME}-2.png"
+    assert saved["reproducer"] == out / f"test_{FUZZ_NAME.replace('-', '_')}_2.py"
+    assert saved["picture"].read_bytes()[:4] == b"\x89PNG"
+    assert not list(out.glob(".kvcheck-*"))  # no temporary file left behind
+    # the saved message is what a replay of the saved trace reports
+    t = Trace.load(saved["trace saved"])
+    assert t.meta["violation"] == str(replay(t, "reference").first)
+    assert "Found on reference: property 1" in saved["reproducer"].read_text()
+
+
+def test_replay_keeps_a_picture_and_reproducer_already_in_counterexamples(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "seed.json"
+    p.write_text(json.dumps(base_trace()))
+    ce = tmp_path / "counterexamples"
+    ce.mkdir()
+    (ce / "seed.png").write_bytes(b"keep me")
+    (ce / "test_seed.py").write_bytes(b"keep me too")
+    code, out, err = cli(capsys, "replay", str(p))
+    assert code == 1, out + err
+    assert (ce / "seed.png").read_bytes() == b"keep me"
+    assert (ce / "test_seed.py").read_bytes() == b"keep me too"
+    assert "picture: counterexamples/seed-1.png" in out
+    assert "reproducer: counterexamples/test_seed_1.py" in out
+    assert (ce / "seed-1.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_stale_message_is_replaced_by_the_replay_of_the_trace_as_saved(tmp_path):
+    t = Trace.from_json(base_trace())
+    stale = "property 1 (freed-while-read): block 3 (logical 2 of r2, positions [32, 48))"
+    t = Trace(t.config, t.events, {"target": "reference", "violation": stale})
+    rr = replay(t, "reference")
+    rep = save_counterexample(rr, tmp_path, "x", "reference")
+    saved = Trace.load(rep.trace)
+    assert saved.meta["violation"] == str(rr.first) != stale
+    assert "r2" not in rep.reproducer.read_text()
+    # a replay's report (no trace written) says the same
+    rep2 = write_report(rr, tmp_path, "y", "reference")
+    src = rep2.reproducer.read_text()
+    assert "r2" not in src and "logical 2 of r0" in " ".join(src.split())
+
+
+def test_a_name_taken_meanwhile_is_given_back_and_the_next_tried(tmp_path, monkeypatch):
+    """A writer that takes a name between the check and the link (here: the
+    picture appears just before it is linked) loses nothing of its own."""
+    rr = replay(Trace.from_json(base_trace()), "reference")
+    import properties.report as report
+
+    real = report._place
+
+    def racing(tmp: Path, final: Path) -> None:
+        if final.name == "x.png" and not final.exists():
+            final.write_bytes(b"someone else's")
+        real(tmp, final)
+
+    monkeypatch.setattr(report, "_place", racing)
+    rep = save_counterexample(rr, tmp_path, "x", "reference")
+    assert (tmp_path / "x.png").read_bytes() == b"someone else's"
+    assert not (tmp_path / "x.json").exists()  # our half of the name was given back
+    assert rep.trace == tmp_path / "x-1.json" and rep.png == tmp_path / "x-1.png"
+
+
+def _save_one(args: tuple[str, int]) -> str:
+    path, _ = args
+    t = Trace(config_for("sliding"), [AddRequest("r0", 10, 2), Schedule()])
+    return str(t.save(path))
+
+
+def test_concurrent_savers_each_get_their_own_file(tmp_path):
+    target = str(tmp_path / "t.json")
+    with multiprocessing.get_context("fork").Pool(6) as pool:
+        paths = pool.map(_save_one, [(target, i) for i in range(6)])
+    assert len(set(paths)) == 6
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 6  # no temporary file left, none lost
+    for f in files:
+        assert Trace.load(f).events[0].id == "r0"
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    with contextlib.suppress(OSError):
+        (d / "probe").write_text("")
+        (d / "probe").unlink()
+        return Path("/sys")  # root writes anywhere: sysfs refuses even root
+    return d
+
+
+@pytest.mark.parametrize("how", ["file", "under-a-file", "read-only", "cannot-create"])
+@pytest.mark.parametrize("cmd", ["fuzz", "check"])
+def test_an_unusable_out_is_refused_before_the_run(tmp_path, capsys, how, cmd):
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    out = {"file": f, "under-a-file": f / "sub" / "dir",
+           "read-only": _read_only_dir(tmp_path), "cannot-create": Path("/proc/kvcheck/x")}[how]
+    args = [*FUZZ] if cmd == "fuzz" else ["check", "--examples", "1", "--skip", "prove"]
+    code, out_text, err = cli(capsys, *args, "--out", str(out))
+    line = one_line_error(code, out_text, err)
+    assert "--out" in line and str(out) in line
+    assert "examples" not in out_text  # refused before the run, nothing was fuzzed
+    assert f.read_text() == "mine"
+
+
+def test_a_created_out_folder_left_empty_is_removed(tmp_path, capsys):
+    out = tmp_path / "new" / "deeper"
+    code, text, err = cli(capsys, "fuzz", "--kind", "sliding", "--examples", "5", "--seed", "1",
+                          "--quiet", "--out", str(out))
+    assert code in (0, 1) and "trace saved" not in text, text + err  # held, or vacuous
+    assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------- malformed traces
+
+
+def _write(tmp_path: Path, data: bytes | str | dict) -> Path:
+    p = tmp_path / "bad.json"
+    if isinstance(data, dict):
+        data = json.dumps(data)
+    p.write_bytes(data.encode() if isinstance(data, str) else data)
+    return p
+
+
+def _with(path: list, value, **cfg) -> dict:
+    d = base_trace(**cfg)
+    x = d
+    for k in path[:-1]:
+        x = x[k]
+    x[path[-1]] = value
+    return d
+
+
+BAD_TRACES = {
+    "latin-1": json.dumps(base_trace()).replace('"r0"', '"r\u00e9"').encode("latin-1"),
+    "nested 100,000 deep": "[" * 100_000 + "]" * 100_000,
+    "nested past the limit": _with(["meta"], {"note": json.loads("[" * MAX_NESTING + "]"
+                                                                 * MAX_NESTING)}),
+    "5,000-digit integer": json.dumps(base_trace()).replace('"num_blocks": 64',
+                                                            '"num_blocks": ' + "7" * 5000),
+    "4,000-digit integer": json.dumps(base_trace()).replace('"num_blocks": 64',
+                                                            '"num_blocks": ' + "7" * 4000),
+    "NaN": json.dumps(base_trace()).replace('"num_blocks": 64', '"num_blocks": NaN'),
+    "policy a list": _with(["config", "policy"], ["settled"]),
+    "policy an object": _with(["config", "policy"], {"a": 1}),
+    "hazard a list": _with(["config", "hazard"], ["ordered"]),
+    "event type a list": _with(["events", 1, "type"], ["Schedule"]),
+    "event type an object": _with(["events", 1, "type"], {}),
+    "chunked_local block_size '16'": _with(["config", "groups"], [{"kind": "chunked_local",
+                                                                   "param": 32}],
+                                           block_size="16"),
+    "chunked_local block_size null": _with(["config", "groups"], [{"kind": "chunked_local",
+                                                                   "param": 32}],
+                                           block_size=None),
+    "chunked_local block_size 0": _with(["config", "groups"], [{"kind": "chunked_local",
+                                                                "param": 32}], block_size=0),
+    "meta.target an int": _with(["meta"], {"target": 5}),
+    "meta.target a list": _with(["meta"], {"target": ["reference"]}),
+    "num_blocks 10**12": base_trace(num_blocks=10**12),
+    "num_blocks 10**9": base_trace(num_blocks=10**9),
+    "num_blocks past the limit": base_trace(num_blocks=MAX_NUM_BLOCKS + 1),
+    "prompt_len 10**9": _with(["events", 0, "prompt_len"], 10**9, max_model_len=2 * 10**9),
+    "prompt_len 10**9 in a small model": _with(["events", 0, "prompt_len"], 10**9),
+    "max_model_len past the limit": base_trace(max_model_len=MAX_MODEL_LEN + 1),
+    "window past the limit": _with(["config", "groups"], [{"kind": "sliding",
+                                                           "param": MAX_MODEL_LEN + 1}]),
+    "first_bad_block 10**30": _with(["events", 2], {"type": "FailLoad", "id": "r0",
+                                                    "first_bad_block": 10**30}),
+    "id of 10,000 characters": _with(["events", 0, "id"], "r" * 10_000),
+    "spec_tokens 10**6": base_trace(spec_tokens=10**6),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_TRACES))
+def test_a_bad_trace_is_one_line_exit_2(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    p = _write(tmp_path, BAD_TRACES[name])
+    before = p.read_bytes()
+    for cmd in (["replay", str(p)], ["diff", str(p), "--right", "reference"]):
+        line = one_line_error(*cli(capsys, *cmd))
+        assert line.startswith("kvcheck: error: ") and str(p) in line
+        assert len(line) < 300
+    assert p.read_bytes() == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_the_limits_are_checked_before_anything_is_allocated():
+    d = base_trace(num_blocks=10**12)
+    with pytest.raises(TraceError, match="num_blocks .* over the limit"):
+        Trace.from_json(d)
+
+
+def test_diff_on_an_event_the_state_does_not_allow_is_exit_2(tmp_path, capsys):
+    p = _write(tmp_path, _with(["events"], [{"type": "Process"}]))
+    for cmd in ("replay", "diff"):
+        args = [cmd, str(p)] + (["--right", "reference"] if cmd == "diff" else ["--no-report"])
+        line = one_line_error(*cli(capsys, *args))
+        assert "event 0 (Process) is not valid here" in line
+
+
+# ------------------------------------------------------- flags and environment
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["check", "--examples", "0"], "--examples"),
+    (["fuzz", "--attention-every", "-1"], "--attention-every"),
+    (["fuzz", "--policy", ""], "unknown policy ''"),
+    (["fuzz", "--db", ""], "--db ''"),
+    (["fuzz", "--out", ""], "--out ''"),
+    (["prove", "--policy", ""], "unknown policy ''"),
+])
+def test_a_bad_flag_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    line = one_line_error(*cli(capsys, *args))
+    assert fragment in line
+    assert not list(tmp_path.iterdir())
+
+
+def test_replay_policy_empty_is_exit_2(tmp_path, capsys):
+    p = _write(tmp_path, base_trace())
+    assert "unknown policy ''" in one_line_error(*cli(capsys, "replay", str(p), "--policy", ""))
+
+
+@pytest.mark.parametrize("value", ["abc", "", "-5", "0", "nan", "inf"])
+def test_vllm_start_timeout_must_be_seconds(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setenv("KVCHECK_VLLM_START_TIMEOUT", value)
+    p = _write(tmp_path, base_trace())
+    line = one_line_error(*cli(capsys, "replay", str(p), "--no-report"))
+    assert "KVCHECK_VLLM_START_TIMEOUT" in line
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("not a url", "is not a Redis URL"),
+    ("http://localhost:6379", "is not a Redis URL"),
+    ("redis://localhost:port/0", "not a URL"),
+    ("redis://127.0.0.1:1/0", "no Redis server answers"),
+    ("redis://user:secret@127.0.0.1:1/0", "no Redis server answers"),
+])
+def test_redis_url_unusable_is_one_line_exit_2(tmp_path, capsys, monkeypatch, url, fragment):
+    monkeypatch.setenv("KVCHECK_REDIS_URL", url)
+    line = one_line_error(*cli(capsys, *FUZZ, "--db", str(tmp_path / "db"),
+                               "--out", str(tmp_path / "ce")))
+    assert fragment in line and "secret" not in line
+    assert not (tmp_path / "ce").exists() and not (tmp_path / "db").exists()
+
+
+def test_every_environment_variable_the_cli_reads_is_validated():
+    """The variables kvcheck's own code reads (outside the reproducers it
+    writes, which read theirs under pytest) are the ones tested above."""
+    read = set()
+    for folder in ("cli", "model", "properties", "impl"):
+        for f in (ROOT / folder).rglob("*.py"):
+            src = f.read_text()
+            for key in ("environ.get(\"", "environ[\"", "getenv(\""):
+                for chunk in src.split(key)[1:]:
+                    read.add(chunk.split('"')[0])
+    read -= {"KVCHECK_ROOT", "KVCHECK_TARGET", "KVCHECK_POLICY"}  # the reproducer's, in its text
+    assert read <= {"KVCHECK_REDIS_URL", "KVCHECK_VLLM_START_TIMEOUT"}, read
