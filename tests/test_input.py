@@ -5,12 +5,17 @@ counterexample describes the trace as saved."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import multiprocessing
+import re
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cli.main import main
 from model.events import (
@@ -340,3 +345,127 @@ def test_every_environment_variable_the_cli_reads_is_validated():
                     read.add(chunk.split('"')[0])
     read -= {"KVCHECK_ROOT", "KVCHECK_TARGET", "KVCHECK_POLICY"}  # the reproducer's, in its text
     assert read <= {"KVCHECK_REDIS_URL", "KVCHECK_VLLM_START_TIMEOUT"}, read
+
+
+# ------------------------------------------- the CLI itself, property-based
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 70) | st.sampled_from([10**9, 10**12, 10**40])
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=6)
+
+PLACES = [["version"], ["config"], ["config", "groups"], ["config", "groups", 0, "kind"],
+          ["config", "groups", 0, "param"], *(["config", k] for k in (
+              "block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+              "max_model_len", "spec_tokens", "depth", "policy", "hazard", "prefix_caching")),
+          ["events"], ["events", 0], ["events", 1], ["events", 1, "type"],
+          *(["events", 0, k] for k in ("id", "prompt_len", "max_new_tokens", "external_tokens",
+                                        "variant")),
+          ["meta"], ["meta", "props"], ["meta", "target"], ["meta", "violation"]]
+
+
+@st.composite
+def trace_files(draw) -> bytes:
+    """A trace file: the good one with one part replaced, removed or added,
+    oversized, or bytes that are not a trace at all."""
+    how = draw(st.sampled_from(["good", "replace", "remove", "oversize", "raw", "good"]))
+    d = base_trace(policy=draw(st.sampled_from(["settled", "optimistic"])))
+    d["meta"] = {}
+    if how == "raw":
+        n = draw(st.sampled_from([40, 1000, 100_000]))
+        return draw(st.sampled_from([b"[" * n + b"]" * n, b'{"version": 1, "config": ' + b"7"
+                                     * 5000 + b"}", b"\xff\xfe{}", b""]) | st.binary(max_size=30))
+    if how != "good":
+        path = draw(st.sampled_from(PLACES))
+        x = d
+        for k in path[:-1]:
+            x = x[k]
+        if how == "remove":
+            x.pop(path[-1], None) if isinstance(x, dict) else x.pop(path[-1])
+        elif how == "oversize":
+            x[path[-1]] = draw(st.sampled_from([10**9, 10**12, MAX_NUM_BLOCKS + 1,
+                                                MAX_MODEL_LEN + 1, "x" * 10_000]))
+        else:
+            x[path[-1]] = draw(JSON)
+    return json.dumps(d).encode()
+
+
+def _files(folder: Path, out: str) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and out not in p.relative_to(folder).parts}
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str, str]:
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        code = main(argv)
+    return code, o.getvalue(), e.getvalue()
+
+
+def _contract(code: int, out: str, err: str) -> None:
+    from hypothesis import event
+
+    event(f"exit {code}")
+    assert "Traceback" not in out + err
+    assert code in (0, 1, 2, 3), code
+    if code == 2:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvcheck: "), err
+    elif code in (0, 1):
+        assert not err.strip(), err
+        assert re.search(r"^(verdict: |\S+ and \S+ (agree|disagree))", out, re.M), out
+
+
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(data=trace_files(), cmd=st.sampled_from(["replay", "diff"]),
+       report=st.booleans(), policy=st.sampled_from([None, None, "optimistic", "", "hopeful"]),
+       target=st.sampled_from([None, None, "reference", "", "tpu"]))
+def test_cli_on_malformed_traces_keeps_the_contract(data, cmd, report, policy, target):
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+        folder = Path(tmp)
+        (folder / "t.json").write_bytes(data)
+        before = _files(folder, "counterexamples")
+        if cmd == "replay":
+            argv = ["replay", "t.json", *([] if report else ["--no-report"])]
+            argv += [] if policy is None else ["--policy", policy]
+            argv += [] if target is None else ["--target", target]
+        else:
+            argv = ["diff", "t.json", "--left", "reference", "--right", target or "reference"]
+        _contract(*_run_cli(argv))
+        assert _files(folder, "counterexamples") == before  # only the output folder changes
+        ce = folder / "counterexamples"
+        if ce.exists():
+            names = [p.name for p in ce.iterdir()]
+            assert all(n.endswith(".png") or n.startswith("test_") for n in names), names
+
+
+@settings(max_examples=20, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(["sliding", "chunked_local", "mamba", "hybrid", "ring", ""]),
+       policy=st.sampled_from([None, "optimistic", "", "hopeful"]),
+       nums=st.fixed_dictionaries({}, optional={
+           "--depth": st.sampled_from([1, 2, 4, 0, 6]),
+           "--spec-tokens": st.sampled_from([0, 2, -1, 10]),
+           "--block-size": st.sampled_from([16, 4, 0, 3, 64]),
+           "--steps": st.sampled_from([4, 1, -1]),
+           "--attention-every": st.sampled_from([0, -1]),
+           "--props": st.sampled_from(["1,2", "1", "", "9", "a", "1,,3"]),
+           "--seed": st.integers(-5, 5)}),
+       out=st.sampled_from(["ce", "new/deeper", "a-file", "a-file/sub", ""]),
+       examples=st.sampled_from([2, 1, 0, -1]))
+def test_cli_on_odd_fuzz_flags_keeps_the_contract(kind, policy, nums, out, examples):
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+        folder = Path(tmp)
+        (folder / "a-file").write_text("mine")
+        argv = ["fuzz", "--quiet", "--kind", kind, "--out", out, "--examples", str(examples)]
+        argv += [] if policy is None else ["--policy", policy]
+        for flag, v in nums.items():
+            argv += [flag, str(v)]
+        out_part = Path(out).parts[0] if out else "\0"
+        before = _files(folder, out_part)
+        _contract(*_run_cli(argv))
+        assert _files(folder, out_part) == before
+        assert (folder / "a-file").read_text() == "mine"
