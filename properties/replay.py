@@ -10,7 +10,7 @@ violation marked with ``>>`` (see :mod:`properties.report`).
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from impl.target import Target, TargetCrash, make_target
 from model.events import AddRequest, Config, Drain, Event, Trace
@@ -26,7 +26,6 @@ class Row:
     event: Event
     obs: Observed
     violations: list[Violation]
-    settled: dict[str, int | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,7 +85,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         vs = judged(e, o)
         if props is not None:
             vs = [v for v in vs if v.prop in props]
-        rows.append(Row(i, e, o, vs, {r: q.p for r, q in checker.reqs.items()}))
+        rows.append(Row(i, e, o, vs))
         return bool(vs) and stop_at_first
 
     for i, ev in enumerate(trace.events):

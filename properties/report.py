@@ -144,6 +144,9 @@ class Grid:
     width: int  # logical blocks across
     violations: list[Violation] = field(default_factory=list)
     crash: str | None = None
+    first_index: int = 0  # the trace index of the first event shown (rows before are not)
+    _by_row: tuple[int, dict[int, list[ReadWindow]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def cell(self, rid: str, group: int, row: int, logical: int) -> Cell:
         rows = self.cells[(rid, group)]
@@ -152,8 +155,13 @@ class Grid:
 
     def windows_at(self, row: int, rid: str | None = None,
                    group: int | None = None) -> list[ReadWindow]:
-        return [w for w in self.windows if w.row == row
-                and (rid is None or w.rid == rid) and (group is None or w.group == group)]
+        if self._by_row is None or self._by_row[0] != len(self.windows):
+            by: dict[int, list[ReadWindow]] = {}
+            for w in self.windows:
+                by.setdefault(w.row, []).append(w)
+            self._by_row = (len(self.windows), by)
+        return [w for w in self._by_row[1].get(row, ())
+                if (rid is None or w.rid == rid) and (group is None or w.group == group)]
 
     def windows_over(self, rid: str, group: int, row: int, logical: int) -> list[ReadWindow]:
         """The unprocessed steps' windows at ``row`` that cover that cell."""
@@ -183,10 +191,18 @@ def _fmt_event(ev: Event) -> str:
     return f"{name}({inner})"
 
 
-def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
+def build_grid(res: ReplayResult, target: str | None = None, shown: int | None = None) -> Grid:
     """Rebuild, event by event, what each request holds and what each
-    unprocessed step may read, from the observations in ``res``."""
+    unprocessed step may read, from the observations in ``res``. With
+    ``shown``, only the last ``shown`` events (ending at the first violation)
+    become rows: the ones before are followed, not drawn, so a long trace
+    costs time linear in its length and memory for the rows shown."""
     cfg = res.trace.config
+    first = 0
+    if shown is not None:
+        bad = next((i for i, row in enumerate(res.rows) if row.violations), len(res.rows) - 1)
+        first = max(0, bad + 1 - shown)
+    tables: dict[tuple[str, int], tuple[int, ...]] = {}  # the latest, of rows not drawn
     B = cfg.block_size
     checker = Checker(cfg)
     held: dict[tuple[str, int, int], int] = {}
@@ -200,11 +216,13 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
     windows: list[ReadWindow] = []
     counters_seen: dict[str, object] = {}
     rids: list[str] = []
+    rid_set: set[str] = set()
 
     def lane_for(rid: str) -> None:
-        if rid in rids:
+        if rid in rid_set:
             return
         rids.append(rid)
+        rid_set.add(rid)
         for gi, g in enumerate(cfg.groups):
             lanes.append(Lane(rid, gi, f"{rid} · {g.label()}"))
             widths[(rid, gi)] = 0
@@ -214,11 +232,18 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
         widths[(rid, gi)] = max(widths[(rid, gi)], n)
 
     mark: Mark | None = None
-    for r, row in enumerate(res.rows):
+    for r0, row in enumerate(res.rows):
         ev = row.event
         if isinstance(ev, AddRequest):
             lane_for(ev.id)
         checker.feed(ev, row.obs)
+        r = r0 - first  # the row drawn; < 0: followed, not drawn
+        if r == 0 and tables:  # the NULL slots of the tables the rows not drawn ended with
+            for (rid, gi), table in tables.items():
+                for lg, blk in enumerate(table):
+                    if blk == NULL and (rid, gi, lg) not in held:
+                        nulled.add((rid, gi, lg))
+            tables.clear()
         freed_now: set[tuple[str, int, int]] = set()
         step = None
         notes: list[str] = []
@@ -246,6 +271,12 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
                 returns.setdefault((it.rid, it.reason), []).append(f"{it.block}@{it.logical}")
             elif isinstance(it, StepObs):
                 step = it.step
+                if r < 0:
+                    for rs in it.reqs:
+                        for gi, table in enumerate(rs.tables):
+                            grow(rs.rid, gi, len(table))
+                            tables[(rs.rid, gi)] = table
+                    continue
                 for rs in it.reqs:
                     for gi, table in enumerate(rs.tables):
                         grow(rs.rid, gi, len(table))
@@ -253,7 +284,7 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
                             key = (rs.rid, gi, lg)
                             if blk == NULL and key not in held:
                                 nulled.add(key)
-            elif isinstance(it, ProcessObs):
+            elif isinstance(it, ProcessObs) and r >= 0:
                 acc = ", ".join(f"{rid} accepted {n}" for rid, n in it.accepted)
                 extra = []
                 if it.discarded:
@@ -263,6 +294,10 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
                                                             for rid, k in it.failed))
                 tail = (f" ({acc})" if acc else "") + ("; " + "; ".join(extra) if extra else "")
                 notes.append(f"output of step {it.step} processed{tail}")
+        if r < 0:
+            if row.obs.counters is not None:
+                counters_seen.update(row.obs.counters.reqs)
+            continue
         for (rid, reason), blks in returns.items():
             word = "block" if len(blks) == 1 else "blocks"
             notes.append(f"{rid} returns {word} {', '.join(blks)} ({reason})")
@@ -342,7 +377,8 @@ def build_grid(res: ReplayResult, target: str | None = None) -> Grid:
         used.add((mark.rid, mark.group))
     lanes = [ln for ln in lanes if (ln.rid, ln.group) in used]
     return Grid(cfg, target or res.trace.meta.get("target", "reference"), lanes, rows, cells,
-                windows, mark, width, list(res.violations), res.crash)
+                windows, mark, width, list(res.violations), res.crash,
+                res.rows[first].index if first < len(res.rows) else 0)
 
 
 def _locate(v: Violation, r: int, items, checker: Checker, cfg: Config) -> Mark:
@@ -438,14 +474,24 @@ def _lane_lines(grid: Grid, cfg: Config, r: int, rid: str, width: int, lw: int) 
     return out
 
 
-def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 24) -> str:
+TIMELINE_EVENTS = 200  # the timeline draws the last events up to the violation
+PICTURE_EVENTS = 60  # the picture likewise
+UNCHANGED_NAMED = 12  # requests named on an event's "unchanged" line
+
+
+def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 24,
+                    shown: int | None = TIMELINE_EVENTS) -> str:
     """The terminal story of a replay (see the module docstring). A request
     whose counts, table and windows did not change in an event is listed on
-    one ``unchanged`` line."""
-    grid = build_grid(res)
+    one ``unchanged`` line. Only the last ``shown`` events up to the first
+    violation are drawn (None: all); a line says how many came before."""
+    grid = build_grid(res, shown=shown)
     cfg = cfg or grid.config
     lw = max(16, *(len(g.label()) + 2 for g in cfg.groups))
     out = [f"config: {cfg.label()}", *LEGEND]
+    if grid.first_index:
+        out.append(f"(events #0-#{grid.first_index - 1} replayed and checked, not drawn: "
+                   f"the last {len(grid.rows)} events are shown)")
     m = grid.mark
     done: set[str] = set()
     before: dict[str, tuple] = {}
@@ -476,7 +522,9 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
             out.append(f"          {rid:<4} {k.status:<9} p={p} f={f} c={c}")
             out.extend(lines)
         if same:
-            out.append(f"          (unchanged: {', '.join(same)})")
+            more = len(same) - UNCHANGED_NAMED
+            names = ", ".join(same[:UNCHANGED_NAMED]) + (f" and {more} more" if more > 0 else "")
+            out.append(f"          (unchanged: {names})")
         if bad:
             for v in res.rows[r].violations:
                 out.append(f">>        VIOLATION {v}")
@@ -803,7 +851,7 @@ def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | No
         if "png" in want:
             tmp = temps["png"] = _temp(out, ".png")
             try:
-                render_png(build_grid(res, target), tmp)
+                render_png(build_grid(res, target, PICTURE_EVENTS), tmp)
             except Exception as e:  # noqa: BLE001 - a report must never hide the verdict
                 paths.errors.append(f"picture not written: {type(e).__name__}: {e}")
                 del temps["png"]

@@ -469,3 +469,50 @@ def test_cli_on_odd_fuzz_flags_keeps_the_contract(kind, policy, nums, out, examp
         _contract(*_run_cli(argv))
         assert _files(folder, out_part) == before
         assert (folder / "a-file").read_text() == "mine"
+
+
+# ------------------------------------------------------- long traces
+
+
+def _long_decode(pairs: int, policy: str = "settled") -> Trace:
+    d = base_trace(policy=policy, max_model_len=4096)
+    d["events"] = [{"type": "AddRequest", "id": "r0", "prompt_len": 64, "max_new_tokens": 2000}]
+    d["events"] += [{"type": "Schedule"}, {"type": "Process"}] * pairs
+    return Trace.from_json(d)
+
+
+def test_a_long_trace_draws_its_last_events_as_the_full_grid_would():
+    from properties.report import TIMELINE_EVENTS, build_grid, render_timeline
+
+    rr = replay(_long_decode(150), "reference")
+    full, cut = build_grid(rr), build_grid(rr, shown=40)
+    assert len(full.rows) == 301 and len(cut.rows) == 40
+    assert cut.first_index == full.rows[-40].index == 261
+    assert [r.index for r in cut.rows] == [r.index for r in full.rows[-40:]]
+    for lane in cut.lanes:
+        key = (lane.rid, lane.group)
+        for r in range(40):
+            a, b = full.cells[key][261 + r], cut.cells[key][r]
+            n = max(len(a), len(b))
+            assert a + [full.cell(*key, 261 + r, n)] * (n - len(a)) == \
+                b + [cut.cell(*key, r, n)] * (n - len(b)), r
+            assert [(w.step, w.first, w.last) for w in full.windows_at(261 + r)] == \
+                [(w.step, w.first, w.last) for w in cut.windows_at(r)]
+    text = render_timeline(rr)
+    assert f"not drawn: the last {TIMELINE_EVENTS} events are shown" in text
+    assert len(re.findall(r"^(?:>>|  )  #\d+ ", text, re.M)) == TIMELINE_EVENTS
+
+
+def test_a_cut_grid_still_shows_the_violation():
+    from properties.report import build_grid
+
+    d = base_trace()
+    d["events"] = [e for i in range(25) for e in (
+        {"type": "AddRequest", "id": f"w{i}", "prompt_len": 4, "max_new_tokens": 1},
+        {"type": "Abort", "id": f"w{i}"})] + d["events"]
+    rr = replay(Trace.from_json(d), "reference")
+    assert rr.first is not None and rr.first.prop == 1
+    grid = build_grid(rr, shown=5)
+    assert len(grid.rows) == 5 and grid.mark is not None and grid.mark.row == 4
+    assert grid.cell(grid.mark.rid, grid.mark.group, 4, grid.mark.logical).state == "freed"
+    assert grid.freed_under_window() is not None
