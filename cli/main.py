@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "3-4 pipeline parallel (default: drawn)")
     f.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per decode "
                    "(default: drawn 0-3)")
+    f.add_argument("--drafter", choices=("ngram", "eagle"), default="ngram",
+                   help="how drafts are proposed: ngram (prompt lookup) or eagle (vLLM's EAGLE: "
+                        "a draft layer beside the first group, the hit's last block dropped or "
+                        "hashes one token ahead; single-group kinds, vLLM targets)")
     f.add_argument("--hazard", choices=("ordered", "unordered"), default=None,
                    help="unordered: a KV-consumer connector may write freed blocks at once")
     f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
@@ -162,7 +166,7 @@ def cmd_fuzz(a) -> int:
 
     policy = "settled" if a.policy is None else a.policy
     spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
-                    spec_tokens=a.spec_tokens, hazard=a.hazard,
+                    spec_tokens=a.spec_tokens, drafter=a.drafter, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
@@ -276,6 +280,12 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--depth {spec.depth}: must be 1 (sync), 2 (async) or 3-4 (PP)")
     if spec.spec_tokens is not None and not 0 <= spec.spec_tokens <= 8:
         raise UsageError(f"--spec-tokens {spec.spec_tokens}: must be 0-8")
+    if spec.drafter != "ngram" and spec.spec_tokens == 0:
+        raise UsageError(f"--drafter {spec.drafter} proposes drafts; --spec-tokens 0 contradicts")
+    if spec.drafter != "ngram" and spec.kind in ("hybrid", "mamba"):
+        raise UsageError(f"--drafter {spec.drafter}: single attention groups only (vLLM plans "
+                         "the draft layer of a hybrid model as a group of its own, and Mamba's "
+                         "align mode takes no drafts here)")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):

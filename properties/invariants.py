@@ -210,6 +210,12 @@ class Checker:
         self.prompt_len: dict[str, int] = {}
         self.variant: dict[str, int] = {}  # prompt variants other than 0
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
+        # EAGLE's draft layer shares group 0; its KV at a prompt position q is
+        # built from q's hidden state and token q + 1, so it is valid only for
+        # requests that also agree on the next token (what vLLM's hit drop and
+        # lookahead hashes are for). Past the prompt, tokens are the request's
+        # own outputs and drafts: keyed by position as in every other group.
+        self._lookahead_group = 0 if cfg.drafter == "eagle" else None
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
@@ -550,7 +556,7 @@ class Checker:
                 self._ver[blk] = self._ver.get(blk, 0) + 1
                 base = lg * B
                 for q in range(max(a, base), min(e, base + B)):
-                    c[q - base] = why or (prefix_key(P, q, V), step, rid)
+                    c[q - base] = why or (self._key(gi, P, q, V), step, rid)
 
     def _check_content(self, pp: _Pending, when: str) -> None:
         """Every position a step part reads from the cache (its window below
@@ -582,7 +588,7 @@ class Checker:
                 c = content.get(blk)
                 for o in range(x, y):
                     want = (("sink", (blk - 1) * B + o) if lg is None
-                            else prefix_key(P, lg * B + o, V))
+                            else self._key(gi, P, lg * B + o, V))
                     got = c[o] if c is not None else None
                     if got is not None and not isinstance(got, str) and got[0] == want:
                         continue
@@ -593,9 +599,12 @@ class Checker:
                                  f"{self._what(got, 'the', want)}")
                     else:
                         whose = f"{rid}'s"
+                        pos = lg * B + o
+                        draft = (" (its EAGLE draft KV, built with the next token)"
+                                 if key_position(want) != pos else "")
                         where = (f"position {a} reads {self._fmt_reads(g, a, P)} ({g.label()}) "
                                  f"but block {blk} (logical {lg}) holds, at position "
-                                 f"{key_position(want)}, {self._what(got, whose, want)}")
+                                 f"{pos}{draft}, {self._what(got, whose, want)}")
                     self._v(2, f"step {pp.step} ({when}) computes {rid} positions "
                                f"[{pp.start}, {pp.end}); {where}",
                             step=pp.step, rid=rid, block=blk)
@@ -603,6 +612,12 @@ class Checker:
                 if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
                     x, y = min(x, seen[1]), max(y, seen[2])
                 ok[(blk, lg)] = (v, x, y)
+
+    def _key(self, gi: int, P: int, q: int, V: int):
+        """The token prefix the KV of position ``q`` in group ``gi`` depends on."""
+        if gi == self._lookahead_group and q < P:
+            return prefix_key(P, q + 1, V)
+        return prefix_key(P, q, V)
 
     def _cache_ranges(self, g: Group, table: tuple[int, ...], a: int, P: int):
         """The slots a step starting at ``a`` reads from the cache through

@@ -92,6 +92,7 @@ class FuzzSpec:
     policy: str = "settled"
     depth: int | None = None
     spec_tokens: int | None = None
+    drafter: str = "ngram"  # how drafts are proposed (model.events.DRAFTERS)
     hazard: str | None = None
     prefix_caching: bool | None = None
     block_size: int | None = None
@@ -106,6 +107,7 @@ class FuzzSpec:
                 f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
                 + ("" if self.fail_loads else "|nofail")
                 + ("" if self.aligned_loads else "|unaligned")
+                + ("" if self.drafter == "ngram" else f"|{self.drafter}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
@@ -125,8 +127,9 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         # async (depth 2, vLLM's default) about half the time: the situations the
         # invariants are about need a step in flight, and PP depths stagger decodes
         depth = spec.depth or draw(st.one_of(st.just(2), st.integers(1, 4)))
+        # an EAGLE drafter proposes at least one token
         spec_tokens = spec.spec_tokens if spec.spec_tokens is not None else draw(
-            st.integers(0, 3))
+            st.integers(0 if spec.drafter == "ngram" else 1, 3))
         hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
         # R-SWA frees only once the outputs run R tokens past the prompt: short windows
@@ -161,7 +164,8 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         cfg = Config(groups=groups, block_size=B, num_blocks=2,
                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
-                     policy=spec.policy, hazard=hazard, prefix_caching=prefix)
+                     policy=spec.policy, hazard=hazard, prefix_caching=prefix,
+                     drafter=spec.drafter if spec_tokens else "ngram")
         # pools an engine starts with (one request of max_model_len fits), small
         # ones half the time: pool pressure is where preemption, eviction of
         # cached blocks and their reuse happen
