@@ -69,7 +69,10 @@ def test_finding_passes_with_its_fix(path):
     assert rr.first is None, rr.first
 
 
-@pytest.mark.parametrize("path", FINDINGS, ids=lambda p: p.stem)
+# the reference schedules n-gram drafts only (an EAGLE finding's config is vLLM's)
+@pytest.mark.parametrize("path", [p for p in FINDINGS
+                                  if Trace.load(p).config.drafter == "ngram"],
+                         ids=lambda p: p.stem)
 def test_reference_recovers_correctly(path):
     rr = replay(Trace.load(path), "reference")
     assert rr.first is None, rr.first
