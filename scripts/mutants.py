@@ -290,6 +290,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sliding-window hit needs one contiguous block fewer than the window spans",
         ("--kind", "sliding", *_PC, *_ASYNC), frozenset({2}), min_examples=300),
     Mutant(
+        "eagle-hash-skips-next-token", CORE + "kv_cache_utils.py",
+        "                    extra_keys = (extra_keys, request.all_token_ids[end_token_idx])\n",
+        "                    extra_keys = (extra_keys, None)\n",
+        "EAGLE's lookahead block hash leaves out the token after the block (no hit drop then)",
+        ("--kind", "full", "--drafter", "eagle", "--hazard", "ordered", *_PC, *_ASYNC),
+        frozenset({2}), min_examples=300, max_events=16),
+    Mutant(
         "touch-keeps-in-free-queue", CORE + "block_pool.py",
         "            if block.ref_cnt == 0:\n"
         "                self.free_block_queue.remove(block)\n"
