@@ -32,7 +32,6 @@ class Unsupported(ValueError):
 @dataclass(frozen=True)
 class Capabilities:
     kinds: frozenset[str] = frozenset({*KINDS, "hybrid"})
-    policies: frozenset[str] | None = None  # None: any registered policy
     max_depth: int = 4
     reports_in_flight: bool = True  # counters carry num_in_flight_tokens
     fixed_policy: str | None = None  # the policy the target implements, if not configurable

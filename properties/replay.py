@@ -137,16 +137,6 @@ class _Stop(Exception):
     """A violation inside a Drain: the replay stops there."""
 
 
-def _fmt_event(ev: Event) -> str:
-    name = type(ev).__name__
-    args = {k: v for k, v in vars(ev).items()} if hasattr(ev, "__dict__") else {}
-    if not args:
-        return f"{name}()"
-    inner = ", ".join(f"{k}={v!r}" if k != "id" else repr(v) for k, v in args.items()
-                      if not (k in ("external_tokens", "variant", "accepted") and not v))
-    return f"{name}({inner})"
-
-
 def format_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 24) -> str:
     """The replay as a terminal timeline: per event, each request's counts
     ``p``/``f``/``c``, its block table (``N*`` returned now, ``.`` NULL) and the

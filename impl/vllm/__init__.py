@@ -381,7 +381,6 @@ class VllmTarget:
         self._config: Config | None = None
         in_flight = compat.tracks_in_flight(self.inst.pkg)
         self.capabilities = Capabilities(
-            policies=frozenset({"settled" if in_flight else "optimistic"}),
             reports_in_flight=in_flight,
             fixed_policy="settled" if in_flight else "optimistic",
             pinned={"mamba": (
@@ -423,11 +422,6 @@ class VllmTarget:
                 f"{self.name}: the worker process died (exit status {w.proc.poll()}):\n"
                 f"{w.log_tail()}")
         return w
-
-    def worker_info(self) -> dict[str, Any]:
-        """What the worker reports: vLLM's version, file, in-flight tracking.
-        Starts the worker (importing vLLM: ~8 s)."""
-        return self._w().ready()
 
     def close(self) -> None:
         if self._worker is not None and self._worker.alive():

@@ -193,11 +193,6 @@ class Driver:
             pass
         return self.Scheduler, False, depth
 
-    def depth_note(self, depth: int) -> str:
-        cls, async_, pp = self._depth_mode(depth)
-        kind = "async scheduling" if async_ else "synchronous scheduling"
-        return f"depth {depth}: {cls.__name__}, {kind}, pipeline_parallel_size={pp}"
-
     def _make_vllm_config(self, cfg: Config, depth: int, async_: bool, pp: int,
                           probe: bool = False) -> Any:
         c = self.c
