@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from impl.target import Target, make_target
-from model.events import Trace
+from model.events import Config, Trace, config_for
 from model.observations import NULL, FreeObs, Observed, StepObs
 
 
@@ -97,6 +97,27 @@ def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool =
                                     str(lf) or "none", str(rf) or "none"))
             break
     return diffs, (diffs[0].index + 1 if diffs else len(trace.events))
+
+
+def random_config(kind: str, rng, policy: str = "settled") -> Config:
+    """The differential sweep's config space (tests/test_differential.py,
+    scripts/diff_sweep.py): requests of at most ``8B`` tokens
+    (:func:`random_trace`) in a pool vLLM's engine starts with. Prefix caching
+    on full attention only: vLLM 0.33.0 keeps sliding-window and Mamba blocks
+    in the prefix cache only at its retained checkpoints
+    (``prefix_cache_retention_interval``, default 0), which the reference,
+    caching every full block, does not mirror (docs/DIFFERENCES.md, 5)."""
+    from model.windows import startup_blocks
+
+    B = rng.choice([4, 16])
+    cfg = config_for(
+        kind, block_size=B, num_blocks=rng.randint(8, 48),
+        max_num_batched_tokens=rng.choice([16, 32, 64]), depth=rng.choice([1, 2]),
+        spec_tokens=rng.choice([0, 2]), policy=policy,
+        hazard=rng.choice(["ordered", "unordered"]),
+        prefix_caching=rng.random() < 0.3 and kind == "full",
+        window=rng.choice([4, 16, 24]), chunk=32, max_model_len=8 * B)
+    return replace(cfg, num_blocks=max(cfg.num_blocks, startup_blocks(cfg)))
 
 
 def random_trace(cfg, rng, length: int, targets: list[Target]) -> Trace:

@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impl.target import Unsupported, make_target  # noqa: E402
-from model.events import config_for  # noqa: E402
-from properties.differential import diff, random_trace  # noqa: E402
+from properties.differential import diff, random_config, random_trace  # noqa: E402
 
 
 def main() -> int:
@@ -36,12 +35,7 @@ def main() -> int:
     rng = random.Random(a.seed)
     for kind in a.kinds.split(","):
         for _ in range(a.n):
-            cfg = config_for(
-                kind, block_size=rng.choice([4, 16]), num_blocks=rng.randint(8, 48),
-                max_num_batched_tokens=rng.choice([16, 32, 64]), depth=rng.choice([1, 2]),
-                spec_tokens=rng.choice([0, 2]), policy=fixed,
-                hazard=rng.choice(["ordered", "unordered"]), prefix_caching=rng.random() < 0.3,
-                window=rng.choice([4, 16, 24]), chunk=32)
+            cfg = random_config(kind, rng, fixed)
             try:
                 vl.reset(cfg)
             except Unsupported:

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_check_prints_a_passing_verdict_table(tmp_path):
     env = dict(os.environ, KVCHECK_NO_VENV="1")
-    p = subprocess.run([sys.executable, str(ROOT / "kvcheck"), "check", "--examples", "150",
+    p = subprocess.run([sys.executable, str(ROOT / "kvcheck"), "check", "--examples", "300",
                         "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

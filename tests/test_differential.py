@@ -32,7 +32,7 @@ from model.events import (
     Trace,
     config_for,
 )
-from properties.differential import diff, random_trace
+from properties.differential import diff, random_config, random_trace
 from tests.vllm_targets import vllm_target
 
 pytestmark = pytest.mark.vllm
@@ -48,17 +48,6 @@ MAX_CHECKS = 20_000  # can_apply calls while building one trace (a stuck generat
 
 def vllm():
     return vllm_target(VERSION)
-
-
-def random_config(kind: str, rng: random.Random):
-    """The differential sweep's config space (scripts/diff_sweep.py)."""
-    cfg = config_for(
-        kind, block_size=rng.choice([4, 16]), num_blocks=rng.randint(8, 48),
-        max_num_batched_tokens=rng.choice([16, 32, 64]), depth=rng.choice([1, 2]),
-        spec_tokens=rng.choice([0, 2]), policy="settled",
-        hazard=rng.choice(["ordered", "unordered"]), prefix_caching=rng.random() < 0.3,
-        window=rng.choice([4, 16, 24]), chunk=32)
-    return cfg
 
 
 def build_trace(seed: int, kind: str, target) -> Trace:
@@ -160,7 +149,7 @@ def test_preemption_waits_for_stale_output_and_delivers_it():
     """vLLM 0.33 holds a preempted request back while its steps run and then
     delivers their tokens: the reference does both (the request resumes with
     the delivered token, one position longer)."""
-    cfg = config_for("full", block_size=4, depth=2, policy="settled")
+    cfg = config_for("full", block_size=4, depth=2, policy="settled", max_model_len=32)
     trace = Trace(cfg, [AddRequest("a", 10, 3), Schedule(), Preempt("a"), Schedule(),
                         Process(), Schedule()])
     diffs, _ = diff(trace, "reference", vllm())
