@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -411,16 +412,27 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example:\n  NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py\n"
                "  KVCHECK_NIGHTLY_MATRIX='reference:*' .venv/bin/python scripts/nightly.py "
                "--minutes 5")
-    ap.add_argument("--minutes", type=float,
-                    default=float(os.environ.get("NIGHTLY_MINUTES") or 30),
+    env_minutes = os.environ.get("NIGHTLY_MINUTES") or "30"
+    try:
+        default_minutes = float(env_minutes)
+    except ValueError:
+        default_minutes = math.nan
+    ap.add_argument("--minutes", type=float, default=default_minutes,
                     help="time budget for the whole job (default $NIGHTLY_MINUTES or 30)")
     ap.add_argument("--reports", default=os.environ.get("KVCHECK_NIGHTLY_REPORTS", "reports"))
     ap.add_argument("--db", default=os.environ.get("KVCHECK_NIGHTLY_DB", ".hypothesis/kvcheck"),
                     help="example database directory (ignored when KVCHECK_REDIS_URL is set)")
     ap.add_argument("--workers", type=int, default=None, help="default: one per CPU")
     a = ap.parse_args(argv)
-    if a.minutes <= 0:
-        ap.error("--minutes must be positive")
+    if not (math.isfinite(a.minutes) and a.minutes > 0):
+        given = (f"NIGHTLY_MINUTES={env_minutes!r:.40}" if math.isnan(default_minutes)
+                 and a.minutes is default_minutes else f"--minutes {a.minutes}")
+        print(f"nightly: {given}: the time budget must be a positive number of minutes",
+              file=sys.stderr)
+        return 2
+    if a.workers is not None and a.workers < 1:
+        print(f"nightly: --workers {a.workers}: must be at least 1", file=sys.stderr)
+        return 2
     db = a.db if os.path.isabs(a.db) else str((Path.cwd() / a.db).resolve())
     return run(a.minutes, Path(a.reports).resolve(), db, a.workers,
                os.environ.get("KVCHECK_NIGHTLY_MATRIX"))

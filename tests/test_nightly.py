@@ -82,6 +82,22 @@ def test_bad_matrix_entries(entry):
         nightly.build_matrix(entry, vllm_cache())
 
 
+@pytest.mark.parametrize("argv,env,says", [
+    ([], {"NIGHTLY_MINUTES": "abc"}, "NIGHTLY_MINUTES='abc'"),
+    ([], {"NIGHTLY_MINUTES": "-3"}, "--minutes -3.0"),
+    (["--minutes", "nan"], {}, "--minutes nan"),
+    (["--workers", "0"], {}, "--workers 0"),
+])
+def test_bad_budget_or_workers_is_one_line_and_exit_2(tmp_path, argv, env, says):
+    full_env = {k: v for k, v in os.environ.items() if k != "NIGHTLY_MINUTES"}
+    full_env.update(env)
+    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "r"), *argv],
+                       capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], (p.returncode, lines)
+    assert not (tmp_path / "r").exists()
+
+
 # -------------------------------------------------------------- end to end
 
 
