@@ -117,6 +117,11 @@ class Kind:
         """Physical blocks the kind holds for itself for the pool's lifetime."""
         return range(0)
 
+    def speculative_blocks(self, spec_tokens: int) -> int:
+        """Blocks a request holds beyond its tokens' for drafts (vLLM's
+        ``num_speculative_blocks``)."""
+        return 0
+
 
 class Full(Kind):
     """full: every position reads all earlier ones; nothing is ever skipped::
@@ -197,6 +202,9 @@ class Mamba(Kind):
 
     name = "mamba"
     vllm_manager = "MambaManager"
+
+    def speculative_blocks(self, spec_tokens: int) -> int:
+        return spec_tokens  # a state slot per draft token
 
     def lo(self, t: int) -> int:
         return max(0, t - 1)

@@ -97,10 +97,17 @@ def startup_blocks(cfg: Config) -> int:
     with ``max_in_flight_tokens = depth * max_num_batched_tokens``. Taken here
     as the larger of the checker's own :func:`live_bound` and the kind's
     admission cap per group (vLLM's sliding cap may pass the whole request by
-    one block), plus the blocks a kind reserves for itself. A config at or
-    above it is one the engine builds; the config strategy draws pools from
-    here up."""
+    one block; a kind without a cap admits only a request whose whole
+    sequence fits, as vLLM's gate does), plus the blocks a kind holds for
+    drafts or reserves for itself. A config at or above it is one the engine
+    builds; the config strategy draws pools from here up."""
     B, L = cfg.block_size, cfg.max_model_len
     ahead = cfg.depth * cfg.max_num_batched_tokens
-    return 1 + sum(max(live_bound(g, B, L, ahead), g.spec.admission_cap(B, L, ahead) or 0)
-                   + len(g.spec.reserved_blocks(B)) for g in cfg.groups)
+
+    def need(g: Group) -> int:
+        cap = g.spec.admission_cap(B, L, ahead)
+        return (max(live_bound(g, B, L, ahead), blocks_for(L, B) if cap is None else cap)
+                + g.spec.speculative_blocks(cfg.spec_tokens)
+                + len(g.spec.reserved_blocks(B)))
+
+    return 1 + sum(need(g) for g in cfg.groups)
