@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model.events import Trace
+from model.kinds import make_kind
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _prove_rows(a) -> list[Row]:
     for r in proof.prove_all():
         # full attention (and sink, its sibling) frees nothing out of window:
         # every policy is safe there
-        should_hold = r.policy == "settled" or r.kind in ("full", "sink")
+        should_hold = r.policy == "settled" or not make_kind(r.kind).frees_early
         expected_ok = r.status == ("proved" if should_hold else "refuted")
         verdict = r.status
         detail = r.covers if r.status == "proved" else r.detail

@@ -401,14 +401,10 @@ def config_for(kind: str, **kw: Any) -> Config:
     window = kw.pop("window", 16)
     chunk = kw.pop("chunk", 32)
     sink = kw.pop("sink", kw.get("block_size", 16))
-    if kind in ("sliding", "rswa"):
-        groups = (Group(kind, window),)
-    elif kind == "chunked_local":
-        groups = (Group("chunked_local", chunk),)
-    elif kind == "sink":
-        groups = (Group("sink", sink),)
-    elif kind in ("full", "mamba"):
-        groups = (Group(kind),)
+    # a kind's parameter, by what it is called (model/kinds.py: Kind.param_name)
+    params = {"window": window, "chunk": chunk, "sink_len": sink}
+    if kind in KIND_CLASSES:
+        groups = (Group(kind, params.get(KIND_CLASSES[kind].param_name, 0)),)
     elif kind == "hybrid":
         groups = (Group("full"), Group("sliding", window))
     else:

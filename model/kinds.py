@@ -15,6 +15,14 @@ A kind answers, for one KV-cache group and one request whose prompt has
 * :meth:`Kind.reserved_blocks`: physical blocks the kind keeps for itself
   (the static sink's KV), read by every step of every request.
 
+Besides, what the other layers need of a kind, as facts of its class:
+``frees_early`` (it returns blocks before the request ends), ``holds_state``
+(a block holds one recurrent state, not positions), ``vllm_spec`` and
+``vllm_param`` (the ``KVCacheSpec`` class of vLLM that builds its layer and
+the keyword its parameter goes to), :meth:`Kind.kernel_window` (how vLLM's
+attention kernel expresses its window), and the fuzzer's draws
+(``fuzz_window_blocks``, ``long_outputs``, :meth:`Kind.fuzz_param`).
+
 ``KINDS`` maps each name to its class; ``model.events.Group`` names a kind
 and its parameter, and ``Group.spec`` is the kind object. The reference
 manager (impl/reference/managers.py), the vLLM spec builder
@@ -24,6 +32,7 @@ kind each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 Ranges = tuple[tuple[int, int], ...]
@@ -37,6 +46,13 @@ class Kind:
     name: ClassVar[str]
     param_name: ClassVar[str] = ""  # what the parameter is called ("" for none)
     vllm_manager: ClassVar[str]  # the vLLM manager class it models
+    vllm_spec: ClassVar[str]  # the vLLM KVCacheSpec class of its layers
+    vllm_param: ClassVar[str] = ""  # the spec's keyword for the parameter
+    frees_early: ClassVar[bool] = True  # returns blocks before the request ends
+    holds_state: ClassVar[bool] = False  # a block holds one state, not positions
+    # the fuzzer draws a window of up to this many blocks (kinds with a window)
+    fuzz_window_blocks: ClassVar[int] = 4
+    long_outputs: ClassVar[bool] = False  # what it frees lies among long outputs
 
     def __init__(self, param: int = 0) -> None:
         self.param = param
@@ -122,6 +138,24 @@ class Kind:
         ``num_speculative_blocks``)."""
         return 0
 
+    # ------------------------------------------------------------- others' views
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        """vLLM's ``unified_attention`` window ``(left, right)`` for this kind
+        (``(-1, -1)``: causal over the rows given; None: the kernel cannot
+        express it). :attr:`kernel_from_lo` kinds pass each row's table from
+        the block of ``lo(t)`` on."""
+        return (-1, -1)
+
+    kernel_from_lo: ClassVar[bool] = False
+
+    @classmethod
+    def fuzz_param(cls, window: int, chunk: int, block_size: int,
+                   draw_int: Callable[[int, int], int]) -> int:
+        """The parameter the fuzzer gives this kind: of the window and the chunk
+        it drew for every config, or its own (``draw_int(lo, hi)``)."""
+        return 0
+
 
 class Full(Kind):
     """full: every position reads all earlier ones; nothing is ever skipped::
@@ -132,6 +166,8 @@ class Full(Kind):
 
     name = "full"
     vllm_manager = "FullAttentionManager"
+    vllm_spec = "FullAttentionSpec"
+    frees_early = False
 
     def lo(self, t: int) -> int:
         return 0
@@ -148,9 +184,17 @@ class Sliding(Kind):
     name = "sliding"
     param_name = "window"
     vllm_manager = "SlidingWindowManager"
+    vllm_spec, vllm_param = "SlidingWindowSpec", "sliding_window"
 
     def lo(self, t: int) -> int:
         return max(0, t - self.param + 1)
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return (self.param - 1, 0)
+
+    @classmethod
+    def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
+        return window
 
     def live_span(self, ahead: int) -> int | None:
         return self.param - 1 + ahead
@@ -171,6 +215,12 @@ class ChunkedLocal(Kind):
     name = "chunked_local"
     param_name = "chunk"
     vllm_manager = "ChunkedLocalAttentionManager"
+    vllm_spec, vllm_param = "ChunkedLocalAttentionSpec", "attention_chunk_size"
+    kernel_from_lo = True
+
+    @classmethod
+    def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
+        return chunk
 
     def problem(self, block_size: int) -> str | None:
         if self.param < 1:
@@ -202,6 +252,11 @@ class Mamba(Kind):
 
     name = "mamba"
     vllm_manager = "MambaManager"
+    vllm_spec = "MambaSpec"
+    holds_state = True
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return (1, 0)
 
     def speculative_blocks(self, spec_tokens: int) -> int:
         return spec_tokens  # a state slot per draft token
@@ -247,6 +302,18 @@ class RSWA(Kind):
     name = "rswa"
     param_name = "window"
     vllm_manager = "RSWAManager"
+    vllm_spec, vllm_param = "RSWASpec", "rswa_window"
+    # R-SWA frees only once the outputs run R tokens past the prompt: short
+    # windows, longer generations
+    fuzz_window_blocks = 1
+    long_outputs = True
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
+    def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
+        return window
 
     def label(self) -> str:
         return f"rswa(R={self.param})"
@@ -287,6 +354,15 @@ class Sink(Kind):
     name = "sink"
     param_name = "sink_len"
     vllm_manager = "SinkFullAttentionManager"
+    vllm_spec, vllm_param = "SinkFullAttentionSpec", "sink_len"
+    frees_early = False
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
+    def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
+        return block_size * draw_int(1, 2)
 
     def label(self) -> str:
         return f"sink(S={self.param})"

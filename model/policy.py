@@ -69,6 +69,6 @@ def settled(group: Group, counts: Counts) -> int:
 @register("mamba-local")
 def mamba_local(group: Group, counts: Counts) -> int:
     """Subtract in-flight spec tokens for Mamba groups only (partial patch)."""
-    if group.kind == "mamba":
+    if group.spec.holds_state:
         return counts.computed - counts.spec
     return counts.computed

@@ -62,6 +62,7 @@ from .z3model import (
     violation_p1,
     violation_p2,
     window_lo,
+    z3_kind,
 )
 
 STEP_TIMEOUT_MS = 60_000
@@ -167,7 +168,7 @@ def _describe(m: z3.ModelRef, prm: Params, pre: State | None, post: State,
 
     pnames = ["B", "W", "D", "S", "M", "P", "N", "E"]
     parts = [f"{n}={v(getattr(prm, n))}" for n in pnames
-             if not (n == "W" and prm.kind in ("full", "mamba"))]
+             if not (n == "W" and not z3_kind(prm.kind).has_param)]
     out = "params " + " ".join(parts)
     keys = ("st", "c", "p", "f", "L", "Kp", "q", "dq", "NF", "NA", "H")
     if pre is not None:
@@ -252,11 +253,12 @@ def _lemma_names(kind: str, bound: str | None = None) -> list[str]:
     """The lemmas a proof instantiates: the safety proof's, or those of the bound
     proof for the ``code`` or the ``exact`` formula (None: safety)."""
     names = ["zero", "floor-bounds", "floor-mono", "ceil-bounds", "ceil-mono"]
-    if kind == "chunked_local":
+    chunked = z3_kind(kind).chunked
+    if chunked:
         names += ["chunk-bounds", "chunk-mono"]
     if bound is not None:
         names += ["ceil-is-multiple", "mul-step", "mul-mono", _BOUND_HINT[_hint_key(kind, bound)]]
-        if kind == "chunked_local":
+        if chunked:
             names.append("chunk-block-aligned")
     return names
 
@@ -266,7 +268,7 @@ _BOUND_HINT = {"code": "ceil-minus-floor", "exact": "ceil-minus-floor-tight",
 
 
 def _hint_key(kind: str, formula: str) -> str:
-    return "exact-aligned" if (formula == "exact" and kind == "chunked_local") else formula
+    return "exact-aligned" if (formula == "exact" and z3_kind(kind).chunked) else formula
 
 
 def _bound_hints(kind: str, formula: str, prm: Params, ar: Arith) -> Hints:
@@ -285,17 +287,9 @@ def _bound_hints(kind: str, formula: str, prm: Params, ar: Arith) -> Hints:
     return hints
 
 
-def _kind_params(kind: str) -> str:
-    if kind == "sliding":
-        return "window W>=1"
-    if kind == "chunked_local":
-        return "chunk C>=1 with C%B==0"
-    return "no window parameter"
-
-
 def covers_text(kind: str, lemmas: list[str]) -> str:
     return (
-        f"{kind}: all B>=1, {_kind_params(kind)}, depth D>=1 (any, unbounded), spec S>=0, "
+        f"{kind}: all B>=1, {z3_kind(kind).params_text}, depth D>=1 (any, unbounded), spec S>=0, "
         "budget M>S (chunks of 1..M tokens, 0..min(S,n-1) drafts each), prompt P>=1, "
         "max_new N>=1, max_model_len>=P+N, external tokens 0<=E<P, prefix-cache hits "
         "(multiples of B); every interleaving of schedule / free without schedule / process "
@@ -347,11 +341,7 @@ def _search_params(prm: Params, ar: Arith, depth: int, prop: int) -> list:
         out += [prm.S >= 1, prm.S <= 3]
     else:
         out += [prm.S == 0]
-    if prm.kind == "sliding":
-        out += [prm.W >= 2, prm.W <= 32]
-    elif prm.kind == "chunked_local":
-        out += [prm.W >= prm.B, prm.W <= 4 * prm.B]
-    return out
+    return out + z3_kind(prm.kind).search_range(prm)
 
 
 def _unroll(prm: Params, ar: Arith, rule: Rule, skeleton: str):
@@ -455,7 +445,7 @@ def _found(m: z3.ModelRef, kind: str, policy: str, prm: Params, ar: Arith,
         return m.eval(t, model_completion=True).as_long()
 
     B, W, M, P, N, S, D = (v(x) for x in (prm.B, prm.W, prm.M, prm.P, prm.N, prm.S, prm.D))
-    group = Group(kind, W if kind in ("sliding", "chunked_local") else 0)
+    group = Group(kind, W if z3_kind(kind).has_param else 0)
     cfg = None
     if policy in REGISTRY:
         cfg = Config(groups=(group,), block_size=B, num_blocks=max(8, -(-(P + N) // B) + 4),
@@ -626,18 +616,23 @@ def _prove_rswa(policy: str) -> ProofResult:
 # ===================================================================== proving
 
 DEFAULT_PROP2 = {("mamba-local", "sliding")}  # refute with a rejection (spec tokens)
-PROVED_KINDS = (*Z3_KINDS, "rswa", "sink")
+# kinds without a one-request Z3 model: proved by a lemma of their own, or through
+# the model of a kind whose freeing rule they share (with a note why that holds)
+OWN_PROOFS: dict[str, Callable[[str], ProofResult]] = {"rswa": _prove_rswa}
+PROVED_AS: dict[str, tuple[str, str]] = {"sink": ("full", SINK_NOTE)}
+PROVED_KINDS = (*Z3_KINDS, *OWN_PROOFS, *PROVED_AS)
 
 
 def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
           prop: int | None = None) -> ProofResult:
     """Prove the freeing invariant for ``kind`` under ``policy`` (or a custom
     ``rule``), or refute it with a trace."""
-    if kind == "rswa" and rule is None:
-        return _prove_rswa(policy)
-    if kind == "sink":
-        r = prove("full", policy, rule, search, prop)
-        return replace(r, kind="sink", covers=f"{SINK_NOTE}; full's proof covers: {r.covers}")
+    if kind in OWN_PROOFS and rule is None:
+        return OWN_PROOFS[kind](policy)
+    if kind in PROVED_AS:
+        via, note = PROVED_AS[kind]
+        r = prove(via, policy, rule, search, prop)
+        return replace(r, kind=kind, covers=f"{note}; {via}'s proof covers: {r.covers}")
     t0 = time.perf_counter()
     lemmas = _lemma_names(kind)
     covers = covers_text(kind, lemmas)
@@ -723,27 +718,6 @@ def bound_examples(kind: str | None = None) -> list[BoundExample]:
     return out
 
 
-_FORMULAS = {  # (code: model/windows.live_bound, exact); T = D*M, L = max_model_len
-    "full": ("cdiv(L, B)", "cdiv(L - 1, B)"),
-    "sliding": ("min(cdiv(L, B), cdiv(W - 1 + T, B) + 1)",
-                "min(cdiv(L - 1, B), cdiv(W - 2 + T, B) + 1)"),
-    "chunked_local": ("min(cdiv(L, B), cdiv(C - 1 + T, B) + 1)",
-                      "min(cdiv(L - 1, B), cdiv(C - 1 + T, B))"),
-    "mamba": ("min(cdiv(L, B), cdiv(1 + T, B) + 1)", "min(cdiv(L - 1, B), cdiv(T, B) + 1)"),
-}
-
-
-def _witness_start(kind: str, prm: Params, ar: Arith):
-    """The settled count from which ``D`` full batches reach the exact bound: the
-    window's first position is the last position of a block (of a chunk's
-    first block for chunked-local)."""
-    if kind == "sliding":
-        return prm.W + 2 * prm.B - 2
-    if kind == "chunked_local":
-        return 2 * prm.W - 1
-    if kind == "mamba":
-        return 2 * prm.B
-    return None
 
 
 def _quiet(s: State, prm: Params, ar: Arith, p) -> z3.BoolRef:
@@ -807,7 +781,8 @@ def _reachability(kind: str) -> list[StepCheck]:
     hyps += _fixed(t1, h=0, n=1, k=0) + _fixed(t2, acc=0)
     out.append(_valid("reach Q(p) -> Q(p+1)", hyps, z3.And(
         t1.guard, t2.guard, _quiet(t2.post, prm, ar, p + 1)), ar))
-    if kind == "full":
+    sw = z3_kind(kind).witness_start(prm)
+    if sw is None:  # full: the whole table
         # Q(L-2) -> schedule position L-2: the table covers the last position L-1
         s = fresh_state("f")
         t1 = t_schedule(s, prm, ar, rule, "a")
@@ -816,7 +791,6 @@ def _reachability(kind: str) -> list[StepCheck]:
         out.append(_valid("reach full table", hyps, z3.And(
             t1.guard, ar.cb(prm.maxlen - 1) == t1.post.NA - t1.post.NF), ar))
         return out
-    sw = _witness_start(kind, prm, ar)
     room = [sw + ar.mul(prm.D) <= prm.P, sw >= 1]
     # Q(sw) -> F(1)
     s = fresh_state("q")
@@ -841,13 +815,14 @@ def _final_equality(kind: str) -> StepCheck:
     prm = make_params(kind, "_x")
     ar = prm.arith(abstract=False)
     X = z3.Int("X")  # D*M
-    sw = _witness_start(kind, prm, ar)
+    sw = z3_kind(kind).witness_start(prm)
     live = ar.cb(sw + X) - ar.fb(skipped(kind, sw, prm.W, ar))
-    sp = (prm.W - 1 if kind in ("sliding", "chunked_local") else 1) + X
-    exact = ar.cb(sp) if kind == "chunked_local" else ar.cb(sp - 1) + prm.B
-    hyps = [prm.B >= 1, X >= 0] + ([prm.W >= 1] if kind == "sliding" else [])
+    m = z3_kind(kind)
+    sp = m.span(X, prm.W)
+    exact = ar.cb(sp) if m.chunked else ar.cb(sp - 1) + prm.B
+    hyps = [prm.B >= 1, X >= 0] + ([prm.W >= 1] if m.has_param and not m.chunked else [])
     name = "F(D) holds the exact bound"
-    if kind == "chunked_local":
+    if m.chunked:
         k = z3.Int("k")
         hyps += [k >= 1, k * prm.B == prm.W]
         # in three easy steps: fc(2C-1) = C, fb(C) = C, cb(2C-1+X) - C = cb(C-1+X)
@@ -867,13 +842,14 @@ def _code_vs_exact(kind: str) -> StepCheck:
     """How the code's reservation compares with the exact maximum (uncapped terms)."""
     B, W, X = z3.Ints("B W X")
     ar = Arith(B)
-    if kind == "full":  # code cdiv(L, B), exact cdiv(L - 1, B): W stands for L
+    m = z3_kind(kind)
+    sp = m.span(X, W)
+    if sp is None:  # full: code cdiv(L, B), exact cdiv(L - 1, B): W stands for L
         claim = ar.cb(W) - ar.cb(W - 1) == z3.If((W - 1) % B == 0, B, 0)
         name = "code = exact + (1 block iff L % B == 1)"
         return _valid_nonlinear(name, [B >= 1, W >= 1], claim)
-    sp = (W - 1 if kind in ("sliding", "chunked_local") else 1) + X
     code = ar.cb(sp) + B
-    if kind == "chunked_local":
+    if m.chunked:
         claim = code - ar.cb(sp) == B
         name = "code = exact + 1 block"
     else:
@@ -930,8 +906,8 @@ def admission_bound(kind: str) -> BoundResult:
         tight = "unknown"
     status = "proved" if (results["code"] == results["exact"] == tight == "proved") else (
         "refuted" if "refuted" in results.values() else "unknown")
-    code_f, exact_f = _FORMULAS[kind]
-    wit = {"sliding": "W + 2B - 2", "chunked_local": "2C - 1", "mamba": "2B"}.get(kind)
+    m = z3_kind(kind)
+    code_f, exact_f, wit = m.code_formula, m.exact_formula, m.witness_text
     covers = (
         f"never exceeded (code and exact): {covers_text(kind, lemmas)}; T = D*M tokens "
         "ahead of the settled count (a connector's load adds none: admission NULL-pads "
@@ -940,14 +916,7 @@ def admission_bound(kind: str) -> BoundResult:
         + (f"P >= {wit} + D*M (the run settles {wit} tokens one at a time, then "
            "schedules D full batches of M)" if wit else "P + N = L >= 3")
         + "; reachability by induction on the settled count and on the batches in flight")
-    rel_txt = {
-        "sliding": "the code reserves one block more than ever needed iff (W - 1 + T) % B == 1",
-        "mamba": "the code reserves one block more than ever needed iff (1 + T) % B == 1",
-        "chunked_local": "the code always reserves one block more than needed (chunks are "
-                         "block-aligned, the +1 is never used) unless capped by L",
-        "full": "the code reserves one block more than ever needed iff L % B == 1 (the last "
-                "position, L - 1, is never computed)",
-    }[kind]
+    rel_txt = m.slack_text
     detail = (f"live blocks <= {code_f} (model/windows.live_bound with tokens_ahead = D*M, "
               f"as the reference sizes its pool): {results['code']}; exact maximum "
               f"{exact_f}: never exceeded {results['exact']}, reached {tight}; {rel_txt} "

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import z3
 
@@ -67,29 +68,141 @@ WAIT, RUN, DONE = 0, 1, 2
 # ===================================================================== terms
 
 
+class Z3Kind:
+    """The Z3 mirror of one kind of :mod:`model.kinds`: its terms over symbolic
+    ``B`` and window/chunk ``W`` (``ar.C`` for a chunk), and the facts its proofs
+    need. A kind with a one-request Z3 model has one subclass here."""
+
+    name: ClassVar[str]
+    has_param: ClassVar[bool] = False  # W >= 1 (else W == 0)
+    chunked: ClassVar[bool] = False  # W is a chunk: ar.C = W, C % B == 0, chunk lemmas
+    params_text: ClassVar[str] = "no window parameter"
+    # the live-block bound, as the code reserves it and exactly (T = D*M, L =
+    # max_model_len), the witness's settled count, and how far apart the two are
+    code_formula: ClassVar[str]
+    exact_formula: ClassVar[str]
+    witness_text: ClassVar[str | None] = None
+    slack_text: ClassVar[str]
+
+    def lo(self, t, W, ar: Arith):
+        """Lowest position read when computing position ``t >= 0``."""
+        raise NotImplementedError
+
+    def span(self, ahead, W):
+        """Tokens ``live_bound`` keeps when freeing ``ahead`` tokens behind
+        (None: the whole request)."""
+        return None
+
+    def exact_tokens(self, full, sp, ar: Arith):
+        """The exact live bound in tokens for span ``sp``, capped by ``full``."""
+        return zmin(full, ar.cb(sp - 1) + ar.B)
+
+    def witness_start(self, prm: Params):
+        """The settled count from which ``D`` full batches reach the exact bound
+        (None: the whole table is the witness)."""
+        return None
+
+    def search_range(self, prm: Params) -> list:
+        """The parameter range the bounded counterexample search draws from."""
+        return []
+
+
+class Z3Full(Z3Kind):
+    name = "full"
+    code_formula, exact_formula = "cdiv(L, B)", "cdiv(L - 1, B)"
+    slack_text = ("the code reserves one block more than ever needed iff L % B == 1 (the last "
+                  "position, L - 1, is never computed)")
+
+    def lo(self, t, W, ar):
+        return z3.IntVal(0)
+
+
+class Z3Sliding(Z3Kind):
+    name = "sliding"
+    has_param = True
+    params_text = "window W>=1"
+    code_formula = "min(cdiv(L, B), cdiv(W - 1 + T, B) + 1)"
+    exact_formula = "min(cdiv(L - 1, B), cdiv(W - 2 + T, B) + 1)"
+    witness_text = "W + 2B - 2"
+    slack_text = "the code reserves one block more than ever needed iff (W - 1 + T) % B == 1"
+
+    def lo(self, t, W, ar):
+        return zmax(0, t - W + 1)
+
+    def span(self, ahead, W):
+        return W - 1 + ahead
+
+    def witness_start(self, prm):
+        return prm.W + 2 * prm.B - 2
+
+    def search_range(self, prm):
+        return [prm.W >= 2, prm.W <= 32]
+
+
+class Z3ChunkedLocal(Z3Kind):
+    name = "chunked_local"
+    has_param = True
+    chunked = True
+    params_text = "chunk C>=1 with C%B==0"
+    code_formula = "min(cdiv(L, B), cdiv(C - 1 + T, B) + 1)"
+    exact_formula = "min(cdiv(L - 1, B), cdiv(C - 1 + T, B))"
+    witness_text = "2C - 1"
+    slack_text = ("the code always reserves one block more than needed (chunks are "
+                  "block-aligned, the +1 is never used) unless capped by L")
+
+    def lo(self, t, W, ar):
+        return ar.fc(t)
+
+    def span(self, ahead, W):
+        return W - 1 + ahead
+
+    def exact_tokens(self, full, sp, ar):
+        return zmin(full, ar.cb(sp))  # a chunk-aligned span: cdiv(span, B) blocks
+
+    def witness_start(self, prm):
+        return 2 * prm.W - 1
+
+    def search_range(self, prm):
+        return [prm.W >= prm.B, prm.W <= 4 * prm.B]
+
+
+class Z3Mamba(Z3Kind):
+    name = "mamba"
+    code_formula = "min(cdiv(L, B), cdiv(1 + T, B) + 1)"
+    exact_formula = "min(cdiv(L - 1, B), cdiv(T, B) + 1)"
+    witness_text = "2B"
+    slack_text = "the code reserves one block more than ever needed iff (1 + T) % B == 1"
+
+    def lo(self, t, W, ar):
+        return zmax(0, t - 1)
+
+    def span(self, ahead, W):
+        return 1 + ahead
+
+    def witness_start(self, prm):
+        return 2 * prm.B
+
+
 # the kinds with a one-request Z3 model (a head prefix freed); model/proof.py
 # proves sink through full's model and R-SWA's middle gap with its own lemma
-Z3_KINDS = ("full", "sliding", "chunked_local", "mamba")
+Z3_MIRRORS: dict[str, Z3Kind] = {m.name: m for m in (Z3Full(), Z3Sliding(), Z3ChunkedLocal(),
+                                                      Z3Mamba())}
+Z3_KINDS = tuple(Z3_MIRRORS)
 
 
-def _param_kind(kind: str) -> None:
-    if kind not in Z3_KINDS:
+def z3_kind(kind: str) -> Z3Kind:
+    m = Z3_MIRRORS.get(kind)
+    if m is None:
         raise ValueError(f"kind {kind!r} has no one-request Z3 model (those: "
                          f"{', '.join(Z3_KINDS)})")
+    return m
 
 
 def window_lo(kind: str, t, param, ar: Arith):
     """Lowest position read when computing position ``t >= 0`` (``windows.window(g, t)[0]``).
 
     For ``chunked_local`` the chunk is ``ar.C`` (``param`` must be the same term)."""
-    _param_kind(kind)
-    if kind == "full":
-        return z3.IntVal(0)
-    if kind == "sliding":
-        return zmax(0, t - param + 1)
-    if kind == "chunked_local":
-        return ar.fc(t)
-    return zmax(0, t - 1)  # mamba
+    return z3_kind(kind).lo(t, param, ar)
 
 
 def skipped(kind: str, n, param, ar: Arith):
@@ -109,12 +222,7 @@ def freeable(kind: str, n, param, ar: Arith):
 
 def live_span(kind: str, ahead, param):
     """Tokens ``live_bound`` keeps when freeing ``ahead`` tokens behind (None for full)."""
-    _param_kind(kind)
-    if kind == "full":
-        return None
-    if kind in ("sliding", "chunked_local"):
-        return param - 1 + ahead
-    return 1 + ahead
+    return z3_kind(kind).span(ahead, param)
 
 
 def live_bound(kind: str, max_model_len, ahead, param, ar: Arith):
@@ -147,21 +255,17 @@ def exact_bound_tokens(kind: str, max_model_len, ahead, param, ar: Arith):
     sp = live_span(kind, ahead, param)
     if sp is None:
         return full
-    if kind == "chunked_local":
-        return zmin(full, ar.cb(sp))
-    return zmin(full, ar.cb(sp - 1) + ar.B)
+    return z3_kind(kind).exact_tokens(full, sp, ar)
 
 
 def exact_bound(kind: str, block_size: int, max_model_len: int, tokens_ahead: int,
                 param: int = 0) -> int:
     """:func:`exact_bound_tokens` in blocks, on numbers."""
-    full = -(-(max_model_len - 1) // block_size)
-    if kind == "full":
-        return full
-    span = (param - 1 if kind in ("sliding", "chunked_local") else 1) + tokens_ahead
-    if kind == "chunked_local":
-        return min(full, -(-span // block_size))
-    return min(full, -(-(span - 1) // block_size) + 1)
+    B = z3.IntVal(block_size)
+    ar = Arith(B, C=z3.IntVal(param) if z3_kind(kind).chunked else None)
+    r = z3.simplify(exact_bound_tokens(kind, z3.IntVal(max_model_len), z3.IntVal(tokens_ahead),
+                                       z3.IntVal(param), ar))
+    return r.as_long() // block_size
 
 
 # ------------------------------------------------- evaluation on numbers
@@ -262,21 +366,19 @@ class Params:
     def constraints(self, ar: Arith) -> list:
         out = [self.B >= 1, self.D >= 1, self.S >= 0, self.M >= self.S + 1, self.P >= 1,
                self.N >= 1, self.maxlen >= self.T, self.E >= 0, self.E < self.P]
-        if self.kind in ("sliding", "chunked_local"):
-            out.append(self.W >= 1)
-        else:
-            out.append(self.W == 0)
-        if self.kind == "chunked_local":
+        m = z3_kind(self.kind)
+        out.append(self.W >= 1 if m.has_param else self.W == 0)
+        if m.chunked:
             out.append(ar.is_multiple(self.W))  # Config.validate: C % B == 0
         return out
 
     def arith(self, abstract: bool, tag: str = "") -> Arith:
-        C = self.W if self.kind == "chunked_local" else None
+        C = self.W if z3_kind(self.kind).chunked else None
         return Arith(self.B, C=C, M=self.M, abstract=abstract, tag=tag)
 
 
 def make_params(kind: str, tag: str = "") -> Params:
-    _param_kind(kind)
+    z3_kind(kind)
     B, W, D, S, M, P, N, L, E = z3.Ints(" ".join(
         f"{x}{tag}" for x in ("B", "W", "D", "S", "M", "P", "N", "maxlen", "E")))
     return Params(kind, B, W, D, S, M, P, N, L, E)

@@ -446,7 +446,7 @@ class AttentionReplay:
                                g.label())
                 if bad is None or cand.position < bad.position:
                     bad = cand
-            if self.kernel is not None and judge and g.kind not in ("rswa", "sink"):
+            if self.kernel is not None and judge and g.spec.kernel_window() is not None:
                 try:
                     e = self._kernel_err(cache, g, table, ts, q, pos, mask)
                 except Exception as ex:  # noqa: BLE001 - reported, the torch check goes on
@@ -477,7 +477,7 @@ class AttentionReplay:
         cache.zero_null()
         try:
             mine = attend(q, gather_paged(cache, table, pos, mask), self.dtype)
-            theirs = self.kernel.run(cache, g.kind, g.param, table, ts, q)
+            theirs = self.kernel.run(cache, g.spec, table, ts, q)
         finally:
             cache.poison_null()
         d = (mine - theirs).abs()

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model.kinds import Kind
+
 # dtype name -> (torch dtype, tolerance of the paged result against the dense one)
 DTYPES: dict[str, tuple[torch.dtype, float]] = {
     "fp32": (torch.float32, 1e-5),
@@ -284,15 +286,15 @@ class VllmKernel:
     def name(self) -> str:
         return f"vLLM triton unified_attention ({self.module})"
 
-    def run(self, cache: PagedCache, kind: str, param: int, table: tuple[int, ...],
+    def run(self, cache: PagedCache, kind: Kind, table: tuple[int, ...],
             ts: np.ndarray, q: torch.Tensor) -> torch.Tensor:
         B = cache.B
         dev = cache.device
         n = len(ts)
         rows, lens = [], []
         for t in ts.tolist():
-            if kind == "chunked_local":
-                first = (t // param) * param
+            if kind.kernel_from_lo:
+                first = kind.lo(t)
                 rows.append(list(table[first // B:]))
                 lens.append(t - first + 1)
             else:
@@ -303,12 +305,9 @@ class VllmKernel:
         for i, r in enumerate(rows):
             if r:
                 bt[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        if kind == "sliding":
-            window = (param - 1, 0)
-        elif kind == "mamba":
-            window = (1, 0)
-        else:
-            window = (-1, -1)
+        window = kind.kernel_window()
+        if window is None:
+            raise ValueError(f"{kind.label()} has no unified_attention window")
         qd = q.to(device=dev, dtype=cache.dtype).contiguous()
         out = torch.empty_like(qd)
         ones = torch.ones((n, cache.shape.heads), dtype=torch.float32, device=dev)

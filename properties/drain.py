@@ -43,8 +43,7 @@ def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved
     need = 0
     for gi, g in enumerate(cfg.groups):
         n = -(-(req.prompt_len + req.max_new_tokens + spec) // B)
-        if g.kind == "mamba":
-            n += spec
+        n += g.spec.speculative_blocks(spec)
         if gi < len(bound):
             n = min(n, bound[gi] + spec)
         need += n

@@ -155,7 +155,7 @@ def compare_twin(ev: Event, mine: Observed, twin: Observed, policy: str,
 
 def expected_witnesses(cfg: Config) -> set[str]:
     """The witnesses a run of this config family can reach."""
-    local = any(g.kind not in ("full", "sink") for g in cfg.groups)
+    local = any(g.spec.frees_early for g in cfg.groups)
     out = {"block_reused"}
     if any(g.spec.reserved_blocks(cfg.block_size) for g in cfg.groups):
         out.add("pool_drained")
@@ -209,7 +209,8 @@ class Checker:
         self._ok: dict[str, dict[tuple[int, int | None], tuple[int, int, int]]] = {}
         self.prompt_len: dict[str, int] = {}
         self.variant: dict[str, int] = {}  # prompt variants other than 0
-        self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.kind != "mamba")
+        self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups)
+                               if not g.spec.holds_state)
         # EAGLE's draft layer shares group 0; its KV at a prompt position q is
         # built from q's hidden state and token q + 1, so it is valid only for
         # requests that also agree on the next token (what vLLM's hit drop and

@@ -54,6 +54,7 @@ from model.events import (
     Schedule,
     Trace,
 )
+from model.kinds import KINDS, Kind
 from model.observations import Observed
 from model.tokens import MAX_VARIANT
 from model.windows import startup_blocks
@@ -132,17 +133,15 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             st.integers(0 if spec.drafter == "ngram" else 1, 3))
         hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
-        # R-SWA frees only once the outputs run R tokens past the prompt: short windows
-        window = draw(st.integers(1, (1 if spec.kind == "rswa" else 4) * B))
+        kind = KINDS.get(spec.kind)
+        window = draw(st.integers(1, (kind.fuzz_window_blocks if kind else 4) * B))
         chunk = B * draw(st.integers(1, 4))
-        if spec.kind in ("sliding", "rswa"):
-            groups = (Group(spec.kind, window),)
-        elif spec.kind == "chunked_local":
-            groups = (Group("chunked_local", chunk),)
-        elif spec.kind == "sink":
-            groups = (Group("sink", B * draw(st.integers(1, 2))),)
-        elif spec.kind in ("full", "mamba"):
-            groups = (Group(spec.kind),)
+
+        def param(k: type[Kind]) -> int:
+            return k.fuzz_param(window, chunk, B, lambda lo, hi: draw(st.integers(lo, hi)))
+
+        if kind is not None:
+            groups = (Group(spec.kind, param(kind)),)
         elif spec.kind == "hybrid":
             # full plus one or two local groups (Gemma-, Llama-4-style models),
             # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
@@ -153,14 +152,12 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             if prefix and not spec_tokens and not spec.external:
                 mixes += [("mamba",), ("sliding", "mamba")]
             local = draw(st.sampled_from(mixes))
-            groups = (Group("full"), *(Group(k, window if k == "sliding" else
-                                             chunk if k == "chunked_local" else 0)
-                                       for k in local))
+            groups = (Group("full"), *(Group(k, param(KINDS[k])) for k in local))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
         # the longest request add_request draws (prompt 6B, outputs 2B or 5B)
-        max_len = (11 if spec.kind == "rswa" else 8) * B
+        max_len = (11 if kind is not None and kind.long_outputs else 8) * B
         cfg = Config(groups=groups, block_size=B, num_blocks=2,
                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
@@ -305,7 +302,7 @@ class KVMachine(RuleBasedStateMachine):
         B = cfg.block_size
         prompt = data.draw(st.integers(1, 6 * B), label="prompt_len")
         # R-SWA's gap lies among the outputs: longer generations
-        longer = any(g.kind == "rswa" for g in cfg.groups)
+        longer = any(g.spec.long_outputs for g in cfg.groups)
         new = data.draw(st.integers(1, (5 if longer else 2) * B), label="max_new_tokens")
         ext = 0
         if self.spec.external and not self.spec.aligned_loads and prompt > 1:
@@ -456,7 +453,8 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         cls = with_seed(seed)(cls)
     s = settings(
         max_examples=examples,
-        stateful_step_count=spec.max_steps or (50 if spec.kind == "rswa" else 30),
+        stateful_step_count=spec.max_steps or (
+            50 if spec.kind in KINDS and KINDS[spec.kind].long_outputs else 30),
         deadline=None,
         database=database,
         suppress_health_check=SUPPRESSED,

@@ -159,7 +159,7 @@ class Scheduler:
         # Mamba also holds one speculative slot per spec token.
         self.bound = tuple(
             live_bound(g, self.B, config.max_model_len, ahead)
-            + (config.spec_tokens if g.kind == "mamba" else 0)
+            + g.spec.speculative_blocks(config.spec_tokens)
             for g in config.groups
         )
 

@@ -45,6 +45,7 @@ from model.events import (
     Config,
     FailLoad,
     Finish,
+    Group,
     Preempt,
     Process,
     Schedule,
@@ -154,8 +155,6 @@ class Driver:
     def warm_up(self) -> None:
         """Build and drop one scheduler: the first one in a process pays for
         vLLM's lazy imports (seconds); every later one takes milliseconds."""
-        from model.events import Group
-
         self.reset(Config(groups=(Group("sliding", 16),)))
         self.sched = None
 
@@ -211,7 +210,7 @@ class Driver:
             block_size=cfg.block_size if not probe else 16,
             enable_prefix_caching=bool(cfg.prefix_caching) if not probe else False,
         )
-        if not probe and any(g.kind == "mamba" for g in cfg.groups):
+        if not probe and any(g.spec.holds_state for g in cfg.groups):
             cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
         kw: dict[str, Any] = {}
         parallel = c["ParallelConfig"](pipeline_parallel_size=pp)
@@ -237,42 +236,35 @@ class Driver:
             **kw,
         )
 
-    def _group_spec(self, kind: str, param: int, cfg: Config) -> Any:
-        kvi, B = self.kvi, cfg.block_size
+    def _group_spec(self, g: Group, cfg: Config) -> Any:
+        """The vLLM layer spec of group ``g``: its kind's ``vllm_spec`` class,
+        the parameter under ``vllm_param``."""
+        kvi, B, kind = self.kvi, cfg.block_size, g.spec
         common = dict(block_size=B, num_kv_heads=1, head_size=8, dtype=self.torch.float32)
-        if kind == "full":
-            return kvi.FullAttentionSpec(**common)
-        if kind == "sliding":
-            return kvi.SlidingWindowSpec(**common, sliding_window=param)
-        if kind == "chunked_local":
-            return kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=param)
-        if kind == "rswa":
-            if not hasattr(kvi, "RSWASpec"):
-                raise ConfigUnsupported(f"vllm {self.version} has no R-SWA (RSWASpec)")
-            return kvi.RSWASpec(**common, rswa_window=param)
-        if kind == "sink":
-            if not hasattr(kvi, "SinkFullAttentionSpec"):
-                raise ConfigUnsupported(f"vllm {self.version} has no static sink attention")
-            return kvi.SinkFullAttentionSpec(**common, sink_len=param)
-        if kind == "mamba":
-            # vLLM builds block-sized Mamba states only with prefix caching
-            # ("align" mode: a state per block boundary, the last one kept);
-            # without it a Mamba block holds max_model_len tokens.
-            if not cfg.prefix_caching:
-                raise ConfigUnsupported(
-                    "without prefix caching vLLM sizes a Mamba block to max_model_len "
-                    "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
-            if cfg.spec_tokens:
-                raise ConfigUnsupported(
-                    "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
-                    "the block table (_relocate_speculative_block), not modeled yet")
-            # a hybrid model's config pads the Mamba page to the attention
-            # page (HybridAttentionMambaModelConfig), so both share one pool
-            pad = (kvi.FullAttentionSpec(**common).page_size_bytes
-                   if any(g.kind != "mamba" for g in cfg.groups) else None)
-            return kvi.MambaSpec(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
-                                 mamba_cache_mode="align", page_size_padded=pad)
-        raise ConfigUnsupported(f"unknown kind {kind!r}")
+        spec_cls = getattr(kvi, kind.vllm_spec, None)
+        if spec_cls is None:
+            raise ConfigUnsupported(f"vllm {self.version} has no {kind.name} layers "
+                                    f"({kind.vllm_spec})")
+        if not kind.holds_state:
+            return spec_cls(**common, **({kind.vllm_param: g.param} if kind.vllm_param else {}))
+        # a recurrent state (Mamba)
+        # vLLM builds block-sized Mamba states only with prefix caching
+        # ("align" mode: a state per block boundary, the last one kept);
+        # without it a Mamba block holds max_model_len tokens.
+        if not cfg.prefix_caching:
+            raise ConfigUnsupported(
+                "without prefix caching vLLM sizes a Mamba block to max_model_len "
+                "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
+        if cfg.spec_tokens:
+            raise ConfigUnsupported(
+                "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
+                "the block table (_relocate_speculative_block), not modeled yet")
+        # a hybrid model's config pads the Mamba page to the attention
+        # page (HybridAttentionMambaModelConfig), so both share one pool
+        pad = (kvi.FullAttentionSpec(**common).page_size_bytes
+               if any(not o.spec.holds_state for o in cfg.groups) else None)
+        return spec_cls(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
+                        mamba_cache_mode="align", page_size_padded=pad)
 
     def _plan(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
         """The layout vLLM's engine would plan for one layer per group (layer
@@ -281,7 +273,7 @@ class Driver:
         them, giving a group another block size, or hashing at a finer grain
         than ``B``) is refused with one line; one vLLM rejects is refused with
         vLLM's reason."""
-        specs = {f"layer{i}": self._group_spec(g.kind, g.param, cfg)
+        specs = {f"layer{i}": self._group_spec(g, cfg)
                  for i, g in enumerate(cfg.groups)}
         want = [(name,) for name in specs]
         if cfg.spec_tokens and cfg.drafter == "eagle":
@@ -328,7 +320,7 @@ class Driver:
         cls, async_, pp = self._depth_mode(cfg.depth)
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
-               cfg.hazard, any(g.kind == "mamba" for g in cfg.groups), cfg.drafter)
+               cfg.hazard, any(g.spec.holds_state for g in cfg.groups), cfg.drafter)
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:
