@@ -8,14 +8,15 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
 VLLM ?= 0.33.0
+SGLANG ?= 0.5.23
 TEST_VLLM := 0.25.1 0.33.0
 EXAMPLES ?= 1000
 NIGHTLY_MINUTES ?= 30
 
-.PHONY: venv vllm vllms check test prove attention fuzz lint bench nightly mutants gpu-check clean help
+.PHONY: venv vllm vllms sglang check test prove attention fuzz lint bench nightly mutants gpu-check clean help
 
 help:
-	@echo "make check | test | prove | attention | lint | bench | nightly | mutants | gpu-check | vllm VLLM=X"
+	@echo "make check | test | prove | attention | lint | bench | nightly | mutants | gpu-check | vllm VLLM=X | sglang SGLANG=X"
 
 $(VENV)/.stamp: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ venv: $(VENV)/.stamp
 
 vllm: venv
 	bash scripts/install-vllm.sh $(VLLM)
+
+sglang: venv
+	bash scripts/install-sglang.sh $(SGLANG)
 
 vllms: venv
 	@for v in $(TEST_VLLM); do bash scripts/install-vllm.sh $$v || exit 1; done
