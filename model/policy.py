@@ -72,3 +72,27 @@ def mamba_local(group: Group, counts: Counts) -> int:
     if group.spec.holds_state:
         return counts.computed - counts.spec
     return counts.computed
+
+
+@register("sglang")
+def sglang(group: Group, counts: Counts) -> int:
+    """SGLang 0.5.23's decode-time sliding-window free (``maybe_evict_swa`` ->
+    ``free_swa_out_of_window_slots``): below ``seqlen - 1 - W``, where
+    ``seqlen`` counts prompt and *processed* output tokens, so the basis is the
+    settled count less one token (the token sampled but not yet computed makes
+    up the ``- 1``). Modelled at ``SGLANG_SWA_EVICTION_INTERVAL=1``; a larger
+    interval frees the same slots later, never earlier. The overlap scheduler's
+    skip of a request's first decode (``decode_batch_idx >= 1``) frees less
+    still. docs/ENGINES.md has the derivation."""
+    return counts.computed - counts.in_flight - counts.loading - 1
+
+
+@register("trtllm")
+def trtllm(group: Group, counts: Counts) -> int:
+    """TensorRT-LLM's ``WindowBlockManager::adjustBlocksIfNeeded``: a block is
+    detached once its end is at most ``numTokens - W``, ``numTokens`` grown at
+    schedule time with the drafts, and a detached block is never re-attached
+    when a rejection lowers ``numTokens``. Positions below ``numTokens - W``
+    are the ones no position ``>= numTokens - 1`` reads: the optimistic count
+    less one."""
+    return counts.computed - 1
