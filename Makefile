@@ -37,7 +37,7 @@ vllms: venv
 check: venv
 	./kvcheck check --examples $(EXAMPLES)
 
-test: venv vllms
+test: venv vllms sglang
 	$(PY) -m pytest -q -n 2 tests
 
 prove: venv
