@@ -38,7 +38,7 @@ def test_sglang_decode_free_is_the_sglang_policy():
     got = _probe(CASES)
     assert len(got) == len(CASES)
     freed_any = False
-    for (w, prompt, outputs), r in zip(CASES, got):
+    for (w, prompt, outputs), r in zip(CASES, got, strict=True):
         g = Group("sliding", w)
         # the decode being scheduled: the step before it (position
         # prompt + outputs - 1) still in flight, everything earlier processed
