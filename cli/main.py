@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unordered: a KV-consumer connector may write freed blocks at once")
     f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
     f.add_argument("--block-size", type=int, default=None)
+    f.add_argument("--group-block-sizes", choices=("uniform", "mixed"), default="uniform",
+                   help="mixed (--kind hybrid): groups of 1, 2 or 4 times the block size, as "
+                        "vLLM plans layers whose pages differ; prefix hashes are then finer "
+                        "than some groups' blocks")
     f.add_argument("--no-external", action="store_true",
                    help="no connector-loaded tokens (and so no failed loads)")
     f.add_argument("--unaligned-loads", action="store_true",
@@ -170,7 +174,7 @@ def cmd_fuzz(a) -> int:
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
-                    aligned_loads=not a.unaligned_loads)
+                    aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes)
     _validate_spec(spec, a)
     _usable_out(a.out)
     db = None
@@ -286,6 +290,9 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--drafter {spec.drafter}: single attention groups only (vLLM plans "
                          "the draft layer of a hybrid model as a group of its own, and Mamba's "
                          "align mode takes no drafts here)")
+    if spec.block_sizes != "uniform" and spec.kind != "hybrid":
+        raise UsageError(f"--group-block-sizes {spec.block_sizes}: several groups only "
+                         f"(--kind hybrid), got --kind {spec.kind}")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):

@@ -15,6 +15,7 @@ the CLI turns it into exit status 2) for anything malformed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -251,10 +252,17 @@ class Group:
     ``param`` is the window ``W`` for ``sliding``, the chunk ``C`` for
     ``chunked_local``, the recent window ``R`` for ``rswa``, the sink length
     ``S`` for ``sink``, unused (0) for ``full`` and ``mamba``. ``spec`` is
-    the kind object (model/kinds.py) that says what it reads and frees."""
+    the kind object (model/kinds.py) that says what it reads and frees.
+
+    ``block_size``: the group's own tokens per block, a multiple of the
+    config's ``block_size`` (0: the config's). vLLM gives groups of a hybrid
+    model different block sizes when their layers' pages differ
+    (``unify_kv_cache_spec_page_size`` raises a smaller page's block size
+    until the pages match); see :attr:`Config.hash_block_size`."""
 
     kind: str
     param: int = 0
+    block_size: int = 0
 
     @property
     def spec(self) -> Kind:
@@ -267,7 +275,13 @@ class Group:
         return k
 
     def label(self) -> str:
-        return self.spec.label() if self.kind in KIND_CLASSES else self.kind
+        name = self.spec.label() if self.kind in KIND_CLASSES else self.kind
+        return f"{name}[B={self.block_size}]" if self.block_size else name
+
+
+# kinds whose groups may take a block size of their own (Mamba's state blocks
+# and the sink's reserved blocks are sized by the config's block size)
+OWN_BLOCK_SIZE_KINDS = ("full", "sliding", "chunked_local", "rswa")
 
 
 @dataclass(frozen=True)
@@ -290,6 +304,38 @@ class Config:
         """``hybrid`` for several groups, else the one group's kind."""
         return "hybrid" if len(self.groups) > 1 else self.groups[0].kind
 
+    def group_block_size(self, gi: int) -> int:
+        """Tokens per block of group ``gi``: logical block ``i`` of that group
+        holds positions ``[i*Bg, (i+1)*Bg)``."""
+        return self.groups[gi].block_size or self.block_size
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(g.block_size or self.block_size for g in self.groups)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """vLLM's scheduler block size (``resolve_kv_cache_block_sizes``): the
+        LCM of the groups' block sizes. Prefix hits and connector loads land
+        on its multiples (a hit must end on a block edge in every group)."""
+        return math.lcm(*self.block_sizes)
+
+    @property
+    def hash_block_size(self) -> int:
+        """The unit a request's block hashes are computed at: with several
+        groups and block hashes in use (prefix caching, or the KV connector
+        that ``hazard = unordered`` brings), the GCD of the groups' block
+        sizes (``resolve_kv_cache_block_sizes``), else the scheduler block
+        size. A group whose block is ``k`` units long is keyed by the chained
+        hash of its last unit (vLLM's ``BlockHashListWithBlockSize``)."""
+        if (self.prefix_caching or self.hazard == "unordered") and len(self.groups) > 1:
+            return math.gcd(*self.block_sizes)
+        return self.scheduler_block_size
+
+    @property
+    def mixed_block_sizes(self) -> bool:
+        return len(set(self.block_sizes)) > 1
+
     def label(self) -> str:
         g = "+".join(x.label() for x in self.groups)
         return (
@@ -301,7 +347,8 @@ class Config:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["groups"] = [{"kind": g.kind, **({"param": g.param} if g.param else {})}
+        d["groups"] = [{"kind": g.kind, **({"param": g.param} if g.param else {}),
+                        **({"block_size": g.block_size} if g.block_size else {})}
                        for g in self.groups]
         if self.drafter == "ngram":
             del d["drafter"]  # traces saved before drafters were configurable
@@ -322,12 +369,18 @@ class Config:
             raise TraceError("config: 'groups' must be a non-empty list")
         groups = []
         for i, g in enumerate(gs):
-            if not isinstance(g, dict) or "kind" not in g or set(g) - {"kind", "param"}:
-                raise TraceError(f"config: groups[{i}] must be {{'kind': K, 'param': N}}")
+            if not isinstance(g, dict) or "kind" not in g or \
+                    set(g) - {"kind", "param", "block_size"}:
+                raise TraceError(f"config: groups[{i}] must be {{'kind': K, 'param': N}} "
+                                 f"(and optionally 'block_size': N)")
             p = g.get("param", 0)
             if not _is_int(p):
                 raise TraceError(f"config: groups[{i}].param must be an integer")
-            groups.append(Group(g["kind"], p))
+            gb = g.get("block_size", 0)
+            if "block_size" in g and (not _is_int(gb) or gb < 1):
+                raise TraceError(f"config: groups[{i}].block_size must be a positive integer, "
+                                 f"got {_short(gb)}")
+            groups.append(Group(g["kind"], p, gb))
         kw = {k: v for k, v in d.items() if k != "groups"}
         cfg = Config(groups=tuple(groups), **kw)
         cfg.validate()
@@ -359,7 +412,16 @@ class Config:
             if not _is_int(g.param) or not 0 <= g.param <= MAX_MODEL_LEN:
                 raise TraceError(f"config: {g.kind}'s parameter must be an integer in "
                                  f"0..{MAX_MODEL_LEN:,}, got {_short(g.param)}")
-            why = g.spec.problem(self.block_size)
+            gb = g.block_size
+            if gb:
+                if not _is_int(gb) or not 0 < gb <= MAX_MODEL_LEN or gb % self.block_size:
+                    raise TraceError(f"config: {g.kind}'s block_size must be a multiple of the "
+                                     f"config's block_size {self.block_size} up to "
+                                     f"{MAX_MODEL_LEN:,}, got {_short(gb)}")
+                if g.kind not in OWN_BLOCK_SIZE_KINDS:
+                    raise TraceError(f"config: a {g.kind} group takes the config's block_size "
+                                     f"(own block sizes: {', '.join(OWN_BLOCK_SIZE_KINDS)})")
+            why = g.spec.problem(gb or self.block_size)
             if why:
                 raise TraceError(f"config: {why}")
         reserved = sum(len(g.spec.reserved_blocks(self.block_size)) for g in self.groups)

@@ -101,13 +101,13 @@ def startup_blocks(cfg: Config) -> int:
     sequence fits, as vLLM's gate does), plus the blocks a kind holds for
     drafts or reserves for itself. A config at or above it is one the engine
     builds; the config strategy draws pools from here up."""
-    B, L = cfg.block_size, cfg.max_model_len
+    L = cfg.max_model_len
     ahead = cfg.depth * cfg.max_num_batched_tokens
 
-    def need(g: Group) -> int:
+    def need(g: Group, B: int) -> int:
         cap = g.spec.admission_cap(B, L, ahead)
         return (max(live_bound(g, B, L, ahead), blocks_for(L, B) if cap is None else cap)
                 + g.spec.speculative_blocks(cfg.spec_tokens)
                 + len(g.spec.reserved_blocks(B)))
 
-    return 1 + sum(need(g) for g in cfg.groups)
+    return 1 + sum(need(g, B) for g, B in zip(cfg.groups, cfg.block_sizes, strict=True))

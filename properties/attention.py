@@ -215,7 +215,7 @@ class AttentionReplay:
                  dtype: str = "fp32", shape: Shape | None = None,
                  kernel: VllmKernel | None = None):
         self.cfg = cfg
-        self.B = cfg.block_size
+        self.Bs = cfg.block_sizes  # per group: tokens per block
         self.prompt_lens = prompt_lens
         self.device = device
         self.dtype_name = dtype
@@ -223,8 +223,8 @@ class AttentionReplay:
         self.shape = shape or Shape()
         self.kernel = kernel
         self.kernel_failed = ""  # vLLM's kernel raised: why (it is not run again)
-        self.caches = [PagedCache(cfg.num_blocks, self.B, self.shape, gi, device, self.dtype)
-                       for gi in range(len(cfg.groups))]
+        self.caches = [PagedCache(cfg.num_blocks, B, self.shape, gi, device, self.dtype)
+                       for gi, B in enumerate(self.Bs)]
         self.unordered = cfg.hazard == "unordered"
         self.pending: list[_Step] = []
         self.refs: Counter[tuple[int, int]] = Counter()
@@ -287,7 +287,7 @@ class AttentionReplay:
         if (self.unordered and f.block != NULL and self.refs[key] <= 0
                 and self.foreign_ok.get(where, True)):
             self.taken[key] = (self.scheduled, self.st.foreign_writes)
-            self._fill_foreign(key, np.arange(self.B))
+            self._fill_foreign(key, np.arange(self.Bs[f.group]))
             self.st.foreign_writes += 1
 
     def _fill_foreign(self, key: tuple[int, int], slots: np.ndarray) -> None:
@@ -308,7 +308,8 @@ class AttentionReplay:
                v: torch.Tensor, count_null: bool = True) -> None:
         if len(pos) == 0:
             return
-        logical = pos // self.B
+        B = self.Bs[gi]
+        logical = pos // B
         ext = np.array(list(table) + [NULL], dtype=np.int64)
         phys = ext[np.minimum(logical, len(table))]
         ok = phys != NULL
@@ -317,10 +318,10 @@ class AttentionReplay:
         if not ok.any():
             return
         okt = torch.from_numpy(ok)
-        for b, sl in zip(phys[ok].tolist(), (pos[ok] % self.B).tolist(), strict=True):
+        for b, sl in zip(phys[ok].tolist(), (pos[ok] % B).tolist(), strict=True):
             self.touched[(gi, b)].add(sl)
         self.caches[gi].write(torch.from_numpy(phys[ok]).to(self.device),
-                              torch.from_numpy(pos[ok] % self.B).to(self.device),
+                              torch.from_numpy(pos[ok] % B).to(self.device),
                               k[okt], v[okt])
 
     def _load(self, step: int, rs: ReqStep) -> None:
@@ -334,7 +335,7 @@ class AttentionReplay:
         for gi in range(len(self.cfg.groups)):
             k, v = kv_true(plen, gi, pos, self.shape)
             if bad_from is not None:
-                bad = torch.from_numpy(pos // self.B >= bad_from)[:, None, None]
+                bad = torch.from_numpy(pos // self.cfg.block_size >= bad_from)[:, None, None]
                 jk, jv = junk_kv(TAG_FAILED, rid_stream(rs.rid), gi, pos, self.shape, salt=step)
                 k, v = torch.where(bad, jk, k), torch.where(bad, jv, v)
             # positions a window already skipped have NULL slots: nothing to load

@@ -38,10 +38,11 @@ def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved
     """Whether the pool holds ``req`` with nothing else running: its whole
     sequence (and draft slots) per group, capped by the group's admission
     bound where the target reports one."""
-    B, spec = cfg.block_size, cfg.spec_tokens
+    spec = cfg.spec_tokens
     bound = counters.bound if counters is not None and counters.bound else ()
     need = 0
     for gi, g in enumerate(cfg.groups):
+        B = cfg.group_block_size(gi)
         n = -(-(req.prompt_len + req.max_new_tokens + spec) // B)
         n += g.spec.speculative_blocks(spec)
         if gi < len(bound):

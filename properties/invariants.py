@@ -71,6 +71,8 @@ WITNESSES = {
     "failed_load_in_flight": "a failed load with another step of the request in flight",
     "block_reused": "a block handed to a request after another request let it go",
     "prefix_hit": "a prefix-cache hit on a block another request wrote",
+    "fine_grained_hit": "a prefix-cache hit on a block longer than the hash unit (its key the "
+                        "chained hash of its last unit: groups of different block sizes)",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
@@ -170,13 +172,18 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("preempt_in_flight")
     if cfg.prefix_caching:
         out.add("prefix_hit")
+        if max(cfg.block_sizes) > cfg.hash_block_size:
+            out.add("fine_grained_hit")
     return out
 
 
 class Checker:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.B = cfg.block_size
+        self.B = cfg.block_size  # the unit of FailLoad's first_bad_block
+        self.Bs = cfg.block_sizes  # per group: tokens per logical block
+        self._fine = tuple(b > cfg.hash_block_size for b in self.Bs) if cfg.prefix_caching \
+            else (False,) * len(self.Bs)
         self.pending: list[list[_Pending]] = []  # unprocessed steps, oldest first
         self.pending_ids: list[int] = []
         self.reqs: dict[str, _Req] = defaultdict(_Req)
@@ -223,8 +230,8 @@ class Checker:
             self.content[b] = [(("sink", (b - 1) * self.B + o), -1, "sink")
                                for o in range(self.B)]
         self._bound_default = tuple(
-            live_bound(g, self.B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
-            for g in cfg.groups
+            live_bound(g, B, cfg.max_model_len, cfg.depth * cfg.max_num_batched_tokens)
+            for g, B in zip(cfg.groups, self.Bs, strict=True)
         )
 
     # ------------------------------------------------------------ public
@@ -321,17 +328,20 @@ class Checker:
         for pp, lo, hi in self._may_read(rid):
             table = pp.rs.tables[group] if group < len(pp.rs.tables) else ()
             if logical < len(table) and table[logical] == block:
-                blocks = read_blocks(g, lo, hi, self.B, P)
+                B = self.Bs[group]
+                blocks = read_blocks(g, lo, hi, B, P)
                 if logical in blocks:
-                    t = self._first_reader(g, logical, lo, hi, P)
+                    t = self._first_reader(g, B, logical, lo, hi, P)
                     if t is not None:
                         return pp, t
         return None
 
-    def _first_reader(self, g: Group, logical: int, lo: int, hi: int,
+    @staticmethod
+    def _first_reader(g: Group, B: int, logical: int, lo: int, hi: int,
                       P: int | None) -> int | None:
-        """The first position in ``[lo, hi)`` whose window reaches ``logical``."""
-        x0, x1 = logical * self.B, (logical + 1) * self.B
+        """The first position in ``[lo, hi)`` whose window reaches ``logical``
+        (blocks of ``B`` tokens)."""
+        x0, x1 = logical * B, (logical + 1) * B
         # attention is causal (position t reads nothing past t), so no position
         # before x0 reaches the block: the scan starts there, not at lo
         for t in range(max(lo, x0), hi):
@@ -361,6 +371,8 @@ class Checker:
         prev = self.last_owner.get(a.block)
         if prev is not None and prev != a.rid:
             self.witness["prefix_hit" if a.cached else "block_reused"] += 1
+            if a.cached and self._fine[a.group]:
+                self.witness["fine_grained_hit"] += 1
         self.last_owner[a.block] = a.rid
         if not a.cached:
             if self.bad:
@@ -411,19 +423,20 @@ class Checker:
 
     def _check_window_free(self, f: FreeObs, p: int) -> None:
         g = self.cfg.groups[f.group]
+        B = self.Bs[f.group]
         P = self.prompt_len.get(f.rid)
         hit = self._readers(f.rid, f.group, f.logical, f.block)
         if hit is not None:
             pp, t = hit
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
-                       f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
+                       f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
                        f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
                     step=pp.step, rid=f.rid, block=f.block)
-        elif f.logical not in freeable_blocks(g, p, self.B, P):
+        elif f.logical not in freeable_blocks(g, p, B, P):
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
-                       f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
+                       f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
                        f"{self._fmt_reads(g, p, P)} ({g.label()})", rid=f.rid, block=f.block)
@@ -438,7 +451,7 @@ class Checker:
                         continue
                     g = self.cfg.groups[gi]
                     P = self.prompt_len.get(pp.rs.rid)
-                    for lg in read_blocks(g, pp.start, pp.end, self.B, P):
+                    for lg in read_blocks(g, pp.start, pp.end, self.Bs[gi], P):
                         if lg < len(table) and table[lg] == f.block:
                             self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
                                        f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
@@ -470,7 +483,7 @@ class Checker:
             self._check_reads(pp, "scheduled")
             P = self.prompt_len.get(rs.rid)
             for gi, g in enumerate(self.cfg.groups):
-                n = len(freeable_blocks(g, rs.end, self.B, P))
+                n = len(freeable_blocks(g, rs.end, self.Bs[gi], P))
                 if n > req.last_freeable.get(gi, 0):
                     self.witness["window_edge_crossing"] += 1
                 req.last_freeable[gi] = n
@@ -483,10 +496,10 @@ class Checker:
         (per layer, after every request of the step wrote its own positions):
         none of them may lie in a block's bad range. Writes make good what they
         cover, from the bad range's start on."""
-        B, bad = self.B, self.bad
+        bad = self.bad
         for rs in s.reqs:  # the step's writes first
             a, b = rs.start, rs.end
-            for table in rs.tables:
+            for table, B in zip(rs.tables, self.Bs, strict=False):
                 for lg in range(a // B, min(-(-b // B), len(table))):
                     r = bad.get(table[lg])
                     if r is not None and a <= r[0]:
@@ -512,16 +525,17 @@ class Checker:
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
         rid, tables = rs.rid, rs.tables
-        start, end, B = pp.start, pp.end, self.B
+        start, end = pp.start, pp.end
         held = self.holder.get
         P = self.prompt_len.get(rid)
         for gi, g in enumerate(self.cfg.groups):
+            B = self.Bs[gi]
             table = tables[gi] if gi < len(tables) else ()
             n = len(table)
             for lg in read_blocks(g, start, end, B, P):
                 blk = table[lg] if lg < n else None
                 if blk is None or blk == NULL or held((rid, gi, lg)) != blk:
-                    t = self._first_reader(g, lg, start, end, P)
+                    t = self._first_reader(g, B, lg, start, end, P)
                     t = start if t is None else t
                     what = ("no block" if blk is None else "the NULL block" if blk == NULL
                             else f"block {blk}, which {rs.rid} does not hold")
@@ -543,9 +557,10 @@ class Checker:
         P = self.prompt_len.get(rid)
         if P is None or e <= a:
             return
-        B, content = self.B, self.content
+        content = self.content
         V = self.variant.get(rid, 0)
         for gi in self._kv_groups:
+            B = self.Bs[gi]
             table = tables[gi] if gi < len(tables) else ()
             for lg in range(a // B, min(-(-e // B), len(table))):
                 blk = table[lg]
@@ -575,12 +590,13 @@ class Checker:
         a = pp.start
         if P is None:
             return
-        B, content, ver = self.B, self.content, self._ver
+        content, ver = self.content, self._ver
         V = self.variant.get(rid, 0)
         for gi in self._kv_groups:
             g = self.cfg.groups[gi]
+            B = self.Bs[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for blk, lg, x, y in self._cache_ranges(g, table, a, P):
+            for blk, lg, x, y in self._cache_ranges(g, B, table, a, P):
                 ok = self._ok.setdefault(rid if lg is not None else "", {})
                 v = ver.get(blk, 0)
                 seen = ok.get((blk, lg))
@@ -620,12 +636,12 @@ class Checker:
             return prefix_key(P, q + 1, V)
         return prefix_key(P, q, V)
 
-    def _cache_ranges(self, g: Group, table: tuple[int, ...], a: int, P: int):
+    @staticmethod
+    def _cache_ranges(g: Group, B: int, table: tuple[int, ...], a: int, P: int):
         """The slots a step starting at ``a`` reads from the cache through
-        ``table``, per block as ``(block, logical or None for the sink, first
-        offset, end offset)``: the sink's reserved blocks, then its window
-        below ``a`` (NULL slots left to the NULL check)."""
-        B = self.B
+        ``table`` (blocks of ``B`` tokens), per block as ``(block, logical or
+        None for the sink, first offset, end offset)``: the sink's reserved
+        blocks, then its window below ``a`` (NULL slots left to the NULL check)."""
         for blk in g.spec.reserved_blocks(B):
             yield blk, None, 0, B
         for x0, x1 in cached_reads(g, a, P):
@@ -728,10 +744,10 @@ class Checker:
         the blocks it spoiled, with their bad positions."""
         if first_bad is None or req.loaded is None:
             return {}
-        B = self.B
-        lo = max(first_bad * B, req.loaded[0])
+        lo = max(first_bad * self.B, req.loaded[0])
         out = {}
-        for (hr, _group, lg), blk in self.holder.items():
+        for (hr, group, lg), blk in self.holder.items():
+            B = self.Bs[group]
             if hr == rid and blk != NULL and (lg + 1) * B > lo:
                 out[blk] = self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
         return out
@@ -742,9 +758,9 @@ class Checker:
         cache, as ``(group, logical, block, x, y)``: its window below its start
         (its own positions it writes first; a load lands before the kernel, so
         a part of the loading step that reads the loaded positions counts)."""
-        a, B = rs.start, self.B
+        a = rs.start
         P = self.prompt_len.get(rs.rid)
-        for g, table in zip(self.cfg.groups, rs.tables, strict=False):
+        for g, table, B in zip(self.cfg.groups, rs.tables, self.Bs, strict=False):
             for x0, x1 in cached_reads(g, a, P):
                 for lg in range(x0 // B, min(-(-x1 // B), len(table))):
                     r = bad.get(table[lg])

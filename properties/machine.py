@@ -97,6 +97,9 @@ class FuzzSpec:
     hazard: str | None = None
     prefix_caching: bool | None = None
     block_size: int | None = None
+    # "mixed": a hybrid's groups draw block sizes of 1, 2 or 4 times B (vLLM's
+    # page-size unification), so prefix hashes are finer than some groups' blocks
+    block_sizes: str = "uniform"
     external: bool = True  # whether requests may carry connector-loaded tokens
     aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
@@ -109,6 +112,7 @@ class FuzzSpec:
                 + ("" if self.fail_loads else "|nofail")
                 + ("" if self.aligned_loads else "|unaligned")
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
+                + ("" if self.block_sizes == "uniform" else f"|{self.block_sizes}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
@@ -151,8 +155,14 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             mixes = [("sliding",), ("chunked_local",), ("sliding", "chunked_local")]
             if prefix and not spec_tokens and not spec.external:
                 mixes += [("mamba",), ("sliding", "mamba")]
+            if spec.block_sizes == "mixed":
+                # vLLM's chunked-local manager takes no block size but the
+                # scheduler's (an assertion in its find_longest_cache_hit)
+                mixes = [m for m in mixes if "chunked_local" not in m]
             local = draw(st.sampled_from(mixes))
             groups = (Group("full"), *(Group(k, param(KINDS[k])) for k in local))
+            if spec.block_sizes == "mixed":
+                groups = draw(_mixed_block_sizes(groups, B))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
@@ -170,6 +180,31 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         return replace(cfg, num_blocks=startup_blocks(cfg) + extra)
 
     return build()
+
+
+@st.composite
+def _mixed_block_sizes(draw: Any, groups: tuple[Group, ...], B: int) -> tuple[Group, ...]:
+    """Give each attention group ``r * B`` tokens per block (``r`` in 1, 2, 4;
+    at least one group keeps ``B``, another does not), as vLLM's page-size
+    unification does for layers whose pages differ (``r`` times smaller page,
+    ``r`` times the block). Windows and chunks are drawn again at the group's
+    size; Mamba takes the config's ``B``."""
+    own = [i for i, g in enumerate(groups) if g.kind != "mamba"]
+    keep = draw(st.sampled_from(own))
+    out = []
+    for i, g in enumerate(groups):
+        r = 1 if i == keep or g.kind == "mamba" else draw(st.sampled_from([1, 2, 4]))
+        Bg = r * B
+        param = (draw(st.integers(1, 4 * Bg)) if g.kind == "sliding" else
+                 Bg * draw(st.integers(1, 2)) if g.kind == "chunked_local" else g.param)
+        out.append(Group(g.kind, param, Bg if r > 1 else 0))
+    if all(not g.block_size for g in out):  # one group other than ``keep`` doubles
+        i = next(j for j in own if j != keep)
+        g = out[i]
+        Bg = 2 * B
+        param = g.param if g.kind != "chunked_local" else Bg * max(1, g.param // Bg)
+        out[i] = Group(g.kind, param, Bg)
+    return tuple(out)
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -307,9 +342,11 @@ class KVMachine(RuleBasedStateMachine):
         ext = 0
         if self.spec.external and not self.spec.aligned_loads and prompt > 1:
             ext = data.draw(st.one_of(st.just(0), st.integers(1, prompt - 1)), label="external")
-        elif self.spec.external and prompt > B:
-            # block-granular connectors (offloading, LMCache, ...) offer whole blocks
-            ext = B * data.draw(st.integers(0, (prompt - 1) // B), label="external_blocks")
+        elif self.spec.external and prompt > cfg.scheduler_block_size:
+            # block-granular connectors (offloading, LMCache, ...) offer whole
+            # blocks (of every group: the scheduler block size)
+            S = cfg.scheduler_block_size
+            ext = S * data.draw(st.integers(0, (prompt - 1) // S), label="external_blocks")
         variant = 0
         if cfg.prefix_caching:
             # another prompt that shares every block past its one differing
@@ -365,7 +402,11 @@ class KVMachine(RuleBasedStateMachine):
                     out.append((pp.rs.rid, lo, hi))
         return out
 
-    @precondition(lambda self: self.spec.fail_loads and bool(self._loading()))
+    # a failed load names a block of the config's size: not stated for groups
+    # of different block sizes (vLLM maps failed block ids to requests only
+    # with one KV-cache group anyway)
+    @precondition(lambda self: self.spec.fail_loads and bool(self._loading())
+                  and not self.cfg.mixed_block_sizes)
     @rule(data=st.data())
     def fail_load(self, data: st.DataObject) -> None:
         rid, lo, hi = data.draw(st.sampled_from(self._loading()), label="load")

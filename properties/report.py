@@ -203,7 +203,6 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         bad = next((i for i, row in enumerate(res.rows) if row.violations), len(res.rows) - 1)
         first = max(0, bad + 1 - shown)
     tables: dict[tuple[str, int], tuple[int, ...]] = {}  # the latest, of rows not drawn
-    B = cfg.block_size
     checker = Checker(cfg)
     held: dict[tuple[str, int, int], int] = {}
     last: dict[tuple[str, int, int], int] = {}
@@ -341,7 +340,8 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         for rid in rids:
             for pp, lo, hi in checker._may_read(rid):
                 for gi, g in enumerate(cfg.groups):
-                    rb = read_blocks(g, lo, hi, B, checker.prompt_len.get(rid))
+                    rb = read_blocks(g, lo, hi, cfg.group_block_size(gi),
+                                     checker.prompt_len.get(rid))
                     if len(rb):
                         windows.append(ReadWindow(r, pp.step, rid, gi, rb[0], rb[-1], lo, hi,
                                                   pp.dead))
@@ -397,7 +397,7 @@ def _locate(v: Violation, r: int, items, checker: Checker, cfg: Config) -> Mark:
                     continue
                 for gi, g in enumerate(cfg.groups):
                     table = pp.rs.tables[gi] if gi < len(pp.rs.tables) else ()
-                    for lg in read_blocks(g, pp.start, pp.end, cfg.block_size,
+                    for lg in read_blocks(g, pp.start, pp.end, cfg.group_block_size(gi),
                                           checker.prompt_len.get(pp.rs.rid)):
                         blk = table[lg] if lg < len(table) else None
                         if blk is None or blk == NULL or blk == v.block:

@@ -1,8 +1,11 @@
 """The coordinator: several KV-cache groups over one block pool.
 
 Mirrors ``vllm/v1/core/kv_cache_coordinator.py`` (the unitary and the hybrid
-coordinator in one class: one group is the special case). Every group has
-the same block size here, so one token count speaks for all groups.
+coordinator in one class: one group is the special case). One token count
+speaks for all groups; each group cuts it into blocks of its own size
+(``Config.group_block_size``), and a prefix hit ends on a multiple of the
+scheduler block size (the LCM of the groups' sizes), as vLLM's hybrid
+coordinator aligns hits to it.
 
 This is also where manager changes become observations: every block handed
 to a request is an :class:`AllocObs`, every reference a request drops a
@@ -25,14 +28,14 @@ Held = tuple[int, int, int]  # (group, logical slot, physical block)
 
 class Coordinator:
     def __init__(self, config: Config, pool: BlockPool, sink: list[Item]) -> None:
-        self.B = config.block_size
+        self.S = config.scheduler_block_size  # prefix hits end on its multiples
         self.pool = pool
         self.sink = sink
         self.managers: list[SingleTypeManager] = [
-            make_manager(g, i, pool, self.B, config.spec_tokens)
+            make_manager(g, i, pool, config.group_block_size(i), config.spec_tokens)
             for i, g in enumerate(config.groups)
         ]
-        self.num_hashes = config.max_model_len // self.B + 1
+        self.max_model_len = config.max_model_len
         self.live: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}  # rid -> prompt length, for every group
         for m in self.managers:
@@ -96,13 +99,17 @@ class Coordinator:
         for m in self.managers:
             self._alloc(rid, m.gid, m.allocate_new_blocks(rid, num_tokens), False)
 
-    def hashes(self, prompt_len: int, variant: int = 0) -> list[int]:
-        """Block hashes of a request with ``prompt_len`` prompt tokens of ``variant``."""
-        return request_block_hashes(self.B, prompt_len, self.num_hashes, variant)
+    def hashes(self, prompt_len: int, variant: int = 0) -> list[list[int]]:
+        """Per group, the block hashes of a request with ``prompt_len`` prompt
+        tokens of ``variant``, at the group's block size (each hash keys the
+        whole token prefix up to the end of its block, as vLLM's view of its
+        fine hashes at a coarser block size does)."""
+        return [request_block_hashes(m.B, prompt_len, self.max_model_len // m.B + 1, variant)
+                for m in self.managers]
 
-    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[list[int]]) -> None:
         for m in self.managers:
-            m.cache_blocks(rid, num_tokens, hashes)
+            m.cache_blocks(rid, num_tokens, hashes[m.gid])
 
     def pop_for_free(self, rid: str) -> list[list[Held]]:
         """Forget the request's tables; per group its held slots in table order,
@@ -134,20 +141,28 @@ class Coordinator:
     # ------------------------------------------------------ first allocation
 
     def find_longest_cache_hit(self, max_len: int,
-                               hashes: list[int]) -> tuple[list[list[int]], int]:
-        """The longest prefix every group can resume from, at most ``max_len``.
+                               hashes: list[list[int]]) -> tuple[list[list[int]], int]:
+        """The longest prefix every group can resume from, at most ``max_len``,
+        on a multiple of the scheduler block size.
 
         Fixed point as in vLLM's hybrid coordinator: each group accepts the
-        candidate length or lowers it; repeat until no group lowers it."""
-        hit = max_len
+        candidate length or lowers it (to the alignment); repeat until no
+        group lowers it. A group's hit blocks are those covering the length."""
+        S = self.S
+        hit = max_len - max_len % S
         while True:
             lowest = hit
             for m in self.managers:
-                lowest = min(lowest, m.find_longest_cache_hit(lowest, hashes)[1])
+                got = m.find_longest_cache_hit(lowest, hashes[m.gid])[1]
+                lowest = min(lowest, got - got % S)
             if lowest == hit:
                 break
             hit = lowest
-        return [m.find_longest_cache_hit(hit, hashes)[0] for m in self.managers], hit
+        out = []
+        for m in self.managers:
+            blocks = m.find_longest_cache_hit(hit, hashes[m.gid])[0]
+            out.append(blocks[:hit // m.B])
+        return out, hit
 
     def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int,
                        capped: bool = False) -> int:

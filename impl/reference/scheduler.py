@@ -134,7 +134,8 @@ class Step:
 class Scheduler:
     def __init__(self, config: Config) -> None:
         self.cfg = config
-        self.B = config.block_size
+        self.B = config.block_size  # the unit of FailLoad's first_bad_block
+        self.S = config.scheduler_block_size  # prefix hits end on its multiples
         self.groups = config.groups
         self.sink: list[Item] = []
         reserved = [b for g in config.groups for b in g.spec.reserved_blocks(config.block_size)]
@@ -158,9 +159,9 @@ class Scheduler:
         ahead = config.depth * config.max_num_batched_tokens
         # Mamba also holds one speculative slot per spec token.
         self.bound = tuple(
-            live_bound(g, self.B, config.max_model_len, ahead)
+            live_bound(g, B, config.max_model_len, ahead)
             + g.spec.speculative_blocks(config.spec_tokens)
-            for g in config.groups
+            for g, B in zip(config.groups, config.block_sizes, strict=True)
         )
 
     # ================================================================ events
@@ -447,7 +448,7 @@ class Scheduler:
         load covering all but the last token) is padded to a full decode of
         ``1 + spec_tokens`` positions when no prefill chunk is in the step,
         as vLLM 0.33 pads new decodes for a uniform decode batch."""
-        cfg, B, K = self.cfg, self.B, self.cfg.spec_tokens
+        cfg, S, K = self.cfg, self.S, self.cfg.spec_tokens
         waiting, running = self.waiting, self.running
         decodes = bool(entries)  # running requests scheduled in this step
         i = 0
@@ -459,7 +460,7 @@ class Scheduler:
             known = r.prompt_len + r.generated
             if cfg.prefix_caching:
                 # Recompute at least the last known token.
-                max_len = (known - 1) // B * B
+                max_len = (known - 1) // S * S
                 hits, hit = self.coord.find_longest_cache_hit(
                     max_len, self.coord.hashes(r.prompt_len, r.variant))
             else:
@@ -562,9 +563,9 @@ class Scheduler:
     def _read_any(self, e: Entry, blocks: set[int]) -> bool:
         """Whether a step entry read one of ``blocks`` from the cache (the window
         of its first position, below it)."""
-        B, a = self.B, e.start - e.shift
+        a = e.start - e.shift
         P = self.requests[e.rid].prompt_len
-        for g, table in zip(self.groups, e.tables, strict=False):
+        for g, table, B in zip(self.groups, e.tables, self.cfg.block_sizes, strict=False):
             for x, y in cached_reads(g, a, P):
                 if any(b in blocks for b in table[x // B:-(-y // B)]):
                     return True

@@ -132,6 +132,9 @@ class ReferenceTarget:
                 return f"request {r.rid!r} holds no blocks"
             return None
         if isinstance(ev, FailLoad):
+            if cfg.mixed_block_sizes:
+                return ("a failed load names a block of one size; not modeled for groups of "
+                        "different block sizes")
             e = s._loading_entry(r)
             if e is None:
                 return f"request {r.rid!r} has no load in flight"

@@ -31,6 +31,7 @@ instrumentation never guesses.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections import deque
@@ -236,11 +237,24 @@ class Driver:
             **kw,
         )
 
-    def _group_spec(self, g: Group, cfg: Config) -> Any:
-        """The vLLM layer spec of group ``g``: its kind's ``vllm_spec`` class,
-        the parameter under ``vllm_param``."""
+    @staticmethod
+    def _head_size(cfg: Config, gi: int) -> int:
+        """The head size of group ``gi``'s layer. Every layer is specified with
+        the cache's block size ``B``; a group that is to get ``r * B`` tokens
+        per block gets a page ``r`` times smaller (head size ``H / r``), and
+        vLLM's page-size unification (``unify_kv_cache_spec_page_size``)
+        raises its block size ``r``-fold to the largest page, as it does for a
+        hybrid model whose layers differ in head size or KV heads. One group
+        per config: head size 8."""
+        ratios = [b // cfg.block_size for b in cfg.block_sizes]
+        return 8 * math.lcm(*ratios) // ratios[gi]
+
+    def _group_spec(self, g: Group, cfg: Config, gi: int = 0) -> Any:
+        """The vLLM layer spec of group ``g`` (group ``gi``): its kind's
+        ``vllm_spec`` class, the parameter under ``vllm_param``."""
         kvi, B, kind = self.kvi, cfg.block_size, g.spec
-        common = dict(block_size=B, num_kv_heads=1, head_size=8, dtype=self.torch.float32)
+        common = dict(block_size=B, num_kv_heads=1, head_size=self._head_size(cfg, gi),
+                      dtype=self.torch.float32)
         spec_cls = getattr(kvi, kind.vllm_spec, None)
         if spec_cls is None:
             raise ConfigUnsupported(f"vllm {self.version} has no {kind.name} layers "
@@ -266,14 +280,34 @@ class Driver:
         return spec_cls(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
                         mamba_cache_mode="align", page_size_padded=pad)
 
+    def _chunked_one_size(self) -> bool:
+        """Whether this release's chunked-local prefix lookup asserts that its
+        group's block size is the scheduler's (0.33.0 does)."""
+        import inspect
+
+        from vllm.v1.core import single_type_kv_cache_manager as stm
+
+        cls = getattr(stm, "ChunkedLocalAttentionManager", None)
+        try:
+            src = inspect.getsource(cls.find_longest_cache_hit) if cls else ""
+        except (OSError, TypeError):
+            return False
+        return "not compatible with chunked local attention" in src
+
     def _plan(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
         """The layout vLLM's engine would plan for one layer per group (layer
         ``i`` of group ``i``): :func:`compat.plan_kv_cache`. A layout the
         checker's model cannot state (the planner merging groups, reordering
         them, giving a group another block size, or hashing at a finer grain
-        than ``B``) is refused with one line; one vLLM rejects is refused with
-        vLLM's reason."""
-        specs = {f"layer{i}": self._group_spec(g, cfg)
+        than the config states) is refused with one line; one vLLM rejects is
+        refused with vLLM's reason."""
+        if cfg.mixed_block_sizes and cfg.prefix_caching and \
+                any(g.kind == "chunked_local" for g in cfg.groups) and self._chunked_one_size():
+            raise ConfigUnsupported(
+                f"vllm {self.version}'s chunked-local manager asserts, at every prefix-cache "
+                "lookup, that its block size is the scheduler's: groups of different block "
+                "sizes with chunked-local attention and prefix caching cannot run")
+        specs = {f"layer{i}": self._group_spec(g, cfg, i)
                  for i, g in enumerate(cfg.groups)}
         want = [(name,) for name in specs]
         if cfg.spec_tokens and cfg.drafter == "eagle":
@@ -303,12 +337,12 @@ class Driver:
                 "checker needs one group per configured group, in order (an EAGLE draft "
                 "layer with the first group)")
         sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-        if any(b != cfg.block_size for b in sizes) or \
-                (block_size, hash_block_size) != (cfg.block_size, cfg.block_size):
+        stated = (list(cfg.block_sizes), cfg.scheduler_block_size, cfg.hash_block_size)
+        if (sizes, block_size, hash_block_size) != stated:
             raise ConfigUnsupported(
                 f"vllm {self.version} plans group block sizes {sizes}, scheduler block "
-                f"{block_size}, hash block {hash_block_size}; per-group block sizes are "
-                f"not modeled yet (B={cfg.block_size} everywhere)")
+                f"{block_size}, hash block {hash_block_size}; the config states "
+                f"{stated[0]}, {stated[1]}, {stated[2]}")
         if kvc.num_blocks != cfg.num_blocks:
             raise ConfigUnsupported(
                 f"vllm {self.version} plans {kvc.num_blocks} blocks, not {cfg.num_blocks}")
@@ -366,10 +400,10 @@ class Driver:
         if cfg.prefix_caching or self.connector is not None:
             self.block_hasher = compat.make_block_hasher(
                 self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
-                cfg.block_size, getattr(vc, "num_hash_lookahead_tokens", 0))
+                hash_block_size, getattr(vc, "num_hash_lookahead_tokens", 0))
         self.bound = tuple(
-            compat.admission_cap(m) or -(-cfg.max_model_len // cfg.block_size)
-            for m in self.mgrs
+            compat.admission_cap(m) or -(-cfg.max_model_len // B)
+            for m, B in zip(self.mgrs, cfg.block_sizes, strict=True)
         )
         # observation state
         self.items: list[Any] = []
