@@ -296,6 +296,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "EAGLE's lookahead block hash leaves out the token after the block (no hit drop then)",
         ("--kind", "full", "--drafter", "eagle", "--hazard", "ordered", *_PC, *_ASYNC),
         frozenset({2}), min_examples=300, max_events=16),
+    # groups of different block sizes (vLLM's page-size unification): a coarser
+    # group's blocks are keyed by fine hashes (hash_block_size, their GCD)
+    Mutant(
+        "coarse-hash-one-unit-short", CORE + "kv_cache_utils.py",
+        "        return self.block_hashes[(idx + 1) * self.scale_factor - 1]\n",
+        "        return self.block_hashes[(idx + 1) * self.scale_factor - 2]\n",
+        "resolve_block_hashes' coarse view keys a block by the fine hash one unit before "
+        "its end: the block's last hash unit is left out of its key",
+        ("--kind", "hybrid", "--group-block-sizes", "mixed", *_PC, "--block-size", "4",
+         "--spec-tokens", "0", *_ASYNC), frozenset({2}), min_examples=300, max_events=16),
+    Mutant(
+        "cached-at-hash-unit", CORE + "block_pool.py",
+        "        assert block_mask is None or len(block_mask) == len(new_full_blocks)\n"
+        "        block_hashes = resolve_block_hashes(\n"
+        "            request.block_hashes, self.hash_block_size, block_size\n",
+        "        assert block_mask is None or len(block_mask) == len(new_full_blocks)\n"
+        "        block_hashes = resolve_block_hashes(\n"
+        "            request.block_hashes, self.hash_block_size, self.hash_block_size\n",
+        "cache_full_blocks keys a coarser group's blocks by the hash units' own view, not "
+        "at the group's block size: block k is filed under the key of a shorter prefix",
+        ("--kind", "hybrid", "--group-block-sizes", "mixed", *_PC, "--block-size", "4",
+         "--spec-tokens", "0", *_ASYNC), frozenset({2}), min_examples=300, max_events=16),
     Mutant(
         "touch-keeps-in-free-queue", CORE + "block_pool.py",
         "            if block.ref_cnt == 0:\n"

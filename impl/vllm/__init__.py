@@ -19,15 +19,17 @@ How a config runs
 -----------------
 * layout: one layer per group, with vLLM's own spec classes
   (``FullAttentionSpec``, ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``,
-  ``RSWASpec``, ``SinkFullAttentionSpec``, ``MambaSpec``) and block size ``B``;
+  ``RSWASpec``, ``SinkFullAttentionSpec``, ``MambaSpec``) and block size ``B``
+  (a group stated with ``r * B`` tokens per block gets an ``r`` times smaller
+  head, and vLLM's page-size unification gives it ``r * B``);
   the ``KVCacheConfig`` is what vLLM's engine core plans from those layer
   specs (``get_kv_cache_configs`` with ``num_gpu_blocks_override =
   num_blocks``, then ``resolve_kv_cache_block_sizes``; see
   :func:`compat.plan_kv_cache`), so grouping, page sizes, retained tokens and
   the startup check that the pool serves one request of ``max_model_len`` are
   vLLM's. A layout vLLM refuses is refused with vLLM's reason; one the model
-  cannot state (groups merged or reordered, a group given another block size,
-  hashes finer than ``B``) is refused with one line. vLLM's NULL block is id 0
+  cannot state (groups merged or reordered, block sizes, scheduler or hash
+  block other than the config's) is refused with one line. vLLM's NULL block is id 0
   in every supported release. Mamba runs in ``mamba_cache_mode="align"``
   (prefix caching on, no drafts), its page padded to the attention page as a
   hybrid model's config does; ``"none"`` mode (one block of

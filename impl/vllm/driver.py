@@ -292,14 +292,14 @@ class Driver:
             src = inspect.getsource(cls.find_longest_cache_hit) if cls else ""
         except (OSError, TypeError):
             return False
-        return "not compatible with chunked local attention" in src
+        return "kv_cache_spec.block_size == alignment_tokens" in src
 
     def _plan(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
         """The layout vLLM's engine would plan for one layer per group (layer
         ``i`` of group ``i``): :func:`compat.plan_kv_cache`. A layout the
         checker's model cannot state (the planner merging groups, reordering
-        them, giving a group another block size, or hashing at a finer grain
-        than the config states) is refused with one line; one vLLM rejects is
+        them, or planning block sizes, a scheduler block or a hash block other
+        than the config's) is refused with one line; one vLLM rejects is
         refused with vLLM's reason."""
         if cfg.mixed_block_sizes and cfg.prefix_caching and \
                 any(g.kind == "chunked_local" for g in cfg.groups) and self._chunked_one_size():
