@@ -279,11 +279,6 @@ class Group:
         return f"{name}[B={self.block_size}]" if self.block_size else name
 
 
-# kinds whose groups may take a block size of their own (Mamba's state blocks
-# and the sink's reserved blocks are sized by the config's block size)
-OWN_BLOCK_SIZE_KINDS = ("full", "sliding", "chunked_local", "rswa")
-
-
 @dataclass(frozen=True)
 class Config:
     groups: tuple[Group, ...]
@@ -418,9 +413,10 @@ class Config:
                     raise TraceError(f"config: {g.kind}'s block_size must be a multiple of the "
                                      f"config's block_size {self.block_size} up to "
                                      f"{MAX_MODEL_LEN:,}, got {_short(gb)}")
-                if g.kind not in OWN_BLOCK_SIZE_KINDS:
+                if not g.spec.own_block_size:
+                    own = [k for k, c in KIND_CLASSES.items() if c.own_block_size]
                     raise TraceError(f"config: a {g.kind} group takes the config's block_size "
-                                     f"(own block sizes: {', '.join(OWN_BLOCK_SIZE_KINDS)})")
+                                     f"(own block sizes: {', '.join(own)})")
             why = g.spec.problem(gb or self.block_size)
             if why:
                 raise TraceError(f"config: {why}")

@@ -53,6 +53,13 @@ class Kind:
     # the fuzzer draws a window of up to this many blocks (kinds with a window)
     fuzz_window_blocks: ClassVar[int] = 4
     long_outputs: ClassVar[bool] = False  # what it frees lies among long outputs
+    # a group of it may take a block size of its own (a multiple of the config's
+    # ``B``, as vLLM's page-size unification gives one; Mamba's state blocks and
+    # the sink's reserved blocks are sized by ``B``)
+    own_block_size: ClassVar[bool] = True
+    # vLLM's prefix lookup for it asserts that its block size is the hit
+    # alignment (0.33.0's chunked-local manager): no other block size beside it
+    vllm_one_block_size: ClassVar[bool] = False
 
     def __init__(self, param: int = 0) -> None:
         self.param = param
@@ -217,6 +224,7 @@ class ChunkedLocal(Kind):
     vllm_manager = "ChunkedLocalAttentionManager"
     vllm_spec, vllm_param = "ChunkedLocalAttentionSpec", "attention_chunk_size"
     kernel_from_lo = True
+    vllm_one_block_size = True
 
     @classmethod
     def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
@@ -254,6 +262,7 @@ class Mamba(Kind):
     vllm_manager = "MambaManager"
     vllm_spec = "MambaSpec"
     holds_state = True
+    own_block_size = False
 
     def kernel_window(self) -> tuple[int, int] | None:
         return (1, 0)
@@ -356,6 +365,7 @@ class Sink(Kind):
     vllm_manager = "SinkFullAttentionManager"
     vllm_spec, vllm_param = "SinkFullAttentionSpec", "sink_len"
     frees_early = False
+    own_block_size = False
 
     def kernel_window(self) -> tuple[int, int] | None:
         return None

@@ -158,7 +158,7 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             if spec.block_sizes == "mixed":
                 # vLLM's chunked-local manager takes no block size but the
                 # scheduler's (an assertion in its find_longest_cache_hit)
-                mixes = [m for m in mixes if "chunked_local" not in m]
+                mixes = [m for m in mixes if not any(KINDS[k].vllm_one_block_size for k in m)]
             local = draw(st.sampled_from(mixes))
             groups = (Group("full"), *(Group(k, param(KINDS[k])) for k in local))
             if spec.block_sizes == "mixed":
@@ -189,22 +189,24 @@ def _mixed_block_sizes(draw: Any, groups: tuple[Group, ...], B: int) -> tuple[Gr
     unification does for layers whose pages differ (``r`` times smaller page,
     ``r`` times the block). Windows and chunks are drawn again at the group's
     size; Mamba takes the config's ``B``."""
-    own = [i for i, g in enumerate(groups) if g.kind != "mamba"]
+    own = [i for i, g in enumerate(groups) if g.spec.own_block_size]
     keep = draw(st.sampled_from(own))
     out = []
     for i, g in enumerate(groups):
-        r = 1 if i == keep or g.kind == "mamba" else draw(st.sampled_from([1, 2, 4]))
-        Bg = r * B
-        param = (draw(st.integers(1, 4 * Bg)) if g.kind == "sliding" else
-                 Bg * draw(st.integers(1, 2)) if g.kind == "chunked_local" else g.param)
-        out.append(Group(g.kind, param, Bg if r > 1 else 0))
+        r = 1 if i == keep or not g.spec.own_block_size else draw(st.sampled_from([1, 2, 4]))
+        out.append(_at_block_size(draw, g, r * B) if r > 1 else g)
     if all(not g.block_size for g in out):  # one group other than ``keep`` doubles
         i = next(j for j in own if j != keep)
-        g = out[i]
-        Bg = 2 * B
-        param = g.param if g.kind != "chunked_local" else Bg * max(1, g.param // Bg)
-        out[i] = Group(g.kind, param, Bg)
+        out[i] = _at_block_size(draw, out[i], 2 * B)
     return tuple(out)
+
+
+def _at_block_size(draw: Any, g: Group, Bg: int) -> Group:
+    """``g`` with ``Bg`` tokens per block, its parameter drawn again at that size."""
+    window = draw(st.integers(1, g.spec.fuzz_window_blocks * Bg))
+    chunk = Bg * draw(st.integers(1, 2))
+    param = type(g.spec).fuzz_param(window, chunk, Bg, lambda lo, hi: draw(st.integers(lo, hi)))
+    return Group(g.kind, param, Bg)
 
 
 class KVMachine(RuleBasedStateMachine):

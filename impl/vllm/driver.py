@@ -302,7 +302,7 @@ class Driver:
         than the config's) is refused with one line; one vLLM rejects is
         refused with vLLM's reason."""
         if cfg.mixed_block_sizes and cfg.prefix_caching and \
-                any(g.kind == "chunked_local" for g in cfg.groups) and self._chunked_one_size():
+                any(g.spec.vllm_one_block_size for g in cfg.groups) and self._chunked_one_size():
             raise ConfigUnsupported(
                 f"vllm {self.version}'s chunked-local manager asserts, at every prefix-cache "
                 "lookup, that its block size is the scheduler's: groups of different block "
