@@ -130,6 +130,10 @@ def main() -> None:
             send(out, ("crash", traceback.format_exc()))
             return
     _out = out
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what the setup imported (vLLM, torch) stays out of every later collection
     send(out, ("ready", info))
     while True:
         try:
@@ -363,9 +367,12 @@ class Flight:
         data = pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL)
         os.write(self.fd, _HEADER.pack(len(data)) + data)
 
+    LIMIT = 8 << 20  # bytes; past it the record starts afresh at the next reset
+
     def reset(self, session: Any, config: Any) -> None:
-        os.ftruncate(self.fd, 0)
-        os.lseek(self.fd, 0, os.SEEK_SET)
+        if os.lseek(self.fd, 0, os.SEEK_CUR) > self.LIMIT:
+            os.ftruncate(self.fd, 0)
+            os.lseek(self.fd, 0, os.SEEK_SET)
         self._write(("reset", session, config))
 
     def apply(self, session: Any, events: list[Any]) -> None:
@@ -402,4 +409,7 @@ def read_flight(path: str) -> tuple[Any, list[Any]] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as impl.worker, not __main__: jobs import impl.worker and must see its state
+    from impl.worker import main as _main
+
+    sys.exit(_main())
