@@ -143,10 +143,12 @@ def known_findings(folder: Path = FINDINGS) -> list[Finding]:
 def classify(res: Any, findings: list[Finding]) -> str | None:
     """The known finding a fuzz result's counterexample is, or None."""
     trace = res.trace
-    if trace is None:
+    if trace is None and res.crash is None:
         return None
-    events = {type(e).__name__ for e in trace.events}
-    kinds = {g.kind for g in trace.config.groups}
+    # a crash while the scheduler is built has no events (and no trace)
+    events = {type(e).__name__ for e in trace.events} if trace else set()
+    kinds = {g.kind for g in trace.config.groups} if trace else {res.spec.kind}
+    drafter = trace.config.drafter if trace else res.spec.drafter
     for f in findings:
         if res.crash is not None:
             if f.prop is not None or f.text not in res.crash:
@@ -155,7 +157,7 @@ def classify(res: Any, findings: list[Finding]) -> str | None:
             v = res.violation
             if v is None or f.prop != v.prop or f.text not in v.message:
                 continue
-        if f.events <= events and f.kinds <= kinds and f.drafter == trace.config.drafter:
+        if f.events <= events and f.kinds <= kinds and f.drafter == drafter:
             return f.name
     return None
 
@@ -233,7 +235,8 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
     if known is not None:
         out.update(ok=True, known=known, verdict=f"known: {known}",
                    detail=str(res.violation or res.crash.strip().splitlines()[-1]))
-        out["trace"] = str(res.trace.save(cdir / f"{row['id']}-known.json"))
+        if res.trace is not None:
+            out["trace"] = str(res.trace.save(cdir / f"{row['id']}-known.json"))
         return
     if res.crash is not None:
         out.update(verdict="TARGET FAILED", detail=res.crash.strip()[:3000], exit=3)

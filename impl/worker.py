@@ -172,7 +172,7 @@ HANG_ENV = "KVCHECK_HANG_TIMEOUT"
 def hang_timeout() -> float:
     """Seconds a worker may go without applying an event during a job before
     it counts as hung (``KVCHECK_HANG_TIMEOUT``, default 300)."""
-    v = os.environ.get(HANG_ENV)
+    v = os.environ.get("KVCHECK_HANG_TIMEOUT")
     return float(v) if v else 300.0
 
 

@@ -98,3 +98,41 @@ def test_a_vllm_worker_that_hangs_is_stopped_exit_3(tmp_path):
     saved = sorted((tmp_path / "ce").glob("crash-*.json"))
     kinds = [e["type"] for e in json.loads(saved[0].read_text())["events"]]
     assert kinds.count("Schedule") == 3 and kinds[-1] == "Schedule", kinds
+
+
+def test_gate_matrix_and_known_findings():
+    from cli.gate import classify, exit_status, gate_matrix, known_findings
+    from impl.target import Capabilities
+    from model.events import Trace
+    from properties.invariants import Violation
+    from properties.machine import FuzzResult, RunStats
+
+    caps = Capabilities(kinds=frozenset({"full", "mamba", "hybrid"}), fixed_policy="settled",
+                        pinned={"mamba": (("prefix_caching", True, ""), ("spec_tokens", 0, ""))})
+    rows, notes = gate_matrix("vllm@X", caps)
+    by = {}
+    for r in rows:
+        by.setdefault(r["kind"], []).append(r["knobs"])
+    assert len(by["full"]) == 36 and len(by["hybrid"]) == 24 and len(by["mamba"]) == 9
+    assert all(k["prefix_caching"] and not k["spec_tokens"] for k in by["mamba"])
+    assert not any(k["failed_loads"] and k["hazard"] == "ordered" for ks in by.values()
+                   for k in ks)
+    assert any("rswa" in n for n in notes)  # what the target lacks is said
+    findings = known_findings()
+    assert findings
+    for f in findings:
+        t = Trace.load(ROOT / "findings" / f"{f.name}.json")
+        if f.prop is None:
+            res = FuzzResult(None, RunStats(), crash=f"vLLM raised: {f.text}", trace=t)
+        else:
+            res = FuzzResult(None, RunStats(), violation=Violation(f.prop, f"... {f.text} ..."),
+                             trace=t)
+        assert classify(res, findings) == f.name
+    # the same message on a counterexample without the finding's events is new
+    sliding = next(f for f in findings if f.name == "failed-load-recompute-reads-null-sliding")
+    t = Trace.load(ROOT / "findings" / f"{sliding.name}.json")
+    t = Trace(t.config, [e for e in t.events if type(e).__name__ != "FailLoad"])
+    res = FuzzResult(None, RunStats(), violation=Violation(2, "maps to the NULL block"), trace=t)
+    assert classify(res, findings) is None
+    assert exit_status([{"exit": 0}, {"exit": 1}]) == 1
+    assert exit_status([{"exit": 1}, {"exit": 3}]) == 3 and exit_status([{"exit": 0}]) == 0

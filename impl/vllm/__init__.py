@@ -257,7 +257,7 @@ def worker_env(inst: _Install) -> dict[str, str]:
     return {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_LOGGING_LEVEL": os.environ.get("KVCHECK_VLLM_LOG_LEVEL", "ERROR"),
+        "VLLM_LOGGING_LEVEL": dict(os.environ).get("KVCHECK_VLLM_LOG_LEVEL", "ERROR"),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
