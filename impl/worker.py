@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<I")
-REPO = Path(__file__).resolve().parent.parent
+# the tree this code was imported from, symlinks kept: a tree of links with one
+# file edited (scripts/mutants.py) must run its own code in its workers too
+REPO = Path(os.path.abspath(__file__)).parent.parent
 
 
 def send(out: BinaryIO, msg: Any) -> None:
