@@ -66,9 +66,15 @@ def test_reference_runs_in_parallel_merge_their_counts():
 def test_parallel_runs_give_the_shortest_counterexample():
     spec = FuzzSpec(kind="sliding", policy="optimistic", depth=2, external=False)
     res = run_fuzz(spec, 100, workers=2, seed=1)
-    assert res.violation is not None and res.violation.prop == 1
+    assert res.violation is not None and res.violation.prop == 1 and res.trace is not None
     alone = [run_fuzz(spec, 50, workers=1, seed=s) for s in (1, 2)]
-    assert len(res.trace.events) == min(len(r.trace.events) for r in alone if r.trace)
+    assert all(r.trace is not None for r in alone)
+    long, short = sorted(alone, key=lambda r: -len(r.trace.events))
+    if len(long.trace.events) > len(short.trace.events):
+        assert merge(spec, [long, short]).trace is short.trace
+    crashed = run_fuzz(spec, 4, workers=1, seed=1)
+    crashed.crash, crashed.violation = "boom", None
+    assert merge(spec, [short, crashed]).crash == "boom"  # a crash comes first
 
 
 @pytest.mark.vllm
