@@ -81,9 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--examples", type=int, default=200)
     f.add_argument("--steps", type=int, default=None,
                    help="events per example at most (default 30; 50 for rswa)")
-    f.add_argument("--seed", type=int, default=None)
+    f.add_argument("--seed", type=int, default=None,
+                   help="seed of the first run (the others take seed+1, seed+2, ...)")
+    f.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="Hypothesis runs at once, each in its own process beside the target, "
+                        "with its own seed, the examples shared out (default: one per core)")
     f.add_argument("--db", default=None,
-                   help="Hypothesis example database directory (failures replay first)")
+                   help="Hypothesis example database directory, shared by the runs (failures "
+                        "replay first)")
     f.add_argument("--out", default="counterexamples",
                    help="where counterexample traces are saved (default counterexamples/)")
     f.add_argument("--attention-every", type=int, default=0, metavar="N",
@@ -130,6 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--right", default="vllm@0.33.0")
     d.add_argument("--physical", action="store_true", help="compare physical block ids too")
 
+    g = sub.add_parser(
+        "gate", help="fuzz the matrix a reviewer needs within a time budget; a verdict table",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck gate --target vllm@0.33.0 --minutes 10\n"
+               "  ./kvcheck gate --target vllm@$PWD/pr --minutes 10   (a checkout)\n"
+               "every kind x hazard x depth 1/2/PP x drafts x prefix caching x failed loads; "
+               "known findings (findings/) are listed as known; exit 0 pass, 1 a new "
+               "violation or a vacuous row, 3 the target failed")
+    g.add_argument("--target", required=True, help="vllm@VERSION | vllm@PATH | reference")
+    g.add_argument("--minutes", type=float, default=10.0,
+                   help="time budget of the whole gate (default 10)")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="rows at once, each in a worker beside the target (default: one per core)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--db", default=None, help="Hypothesis example database directory")
+    g.add_argument("--reports", default="reports/gate",
+                   help="where gate.md, gate.json, junit.xml, rows/ and counterexamples/ go "
+                        "(default reports/gate)")
+    g.add_argument("--junit", default=None, help="JUnit XML path (default REPORTS/junit.xml)")
+    g.add_argument("--quiet", action="store_true", help="no line per finished row")
+
     c = sub.add_parser(
         "check", help="the main job: prove, fuzz every kind, replay attention; a verdict table",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -149,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _summary(res, verbose: bool = True) -> str:
     st = res.stats
+    runs = getattr(res, "workers", 1)
     lines = [f"target {res.spec.target}  kind {res.spec.kind}  policy {res.spec.policy}  "
-             f"examples {st.examples}  {res.seconds:.1f}s"]
+             f"examples {st.examples}  {res.seconds:.1f}s"
+             + (f"  ({runs} runs at once)" if runs > 1 else "")]
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.events.items()))
     lines.append(f"events: {ev or 'none'}")
     if st.refused:
@@ -165,8 +193,9 @@ def _summary(res, verbose: bool = True) -> str:
 
 
 def cmd_fuzz(a) -> int:
-    from properties.machine import FuzzSpec, fuzz
-    from properties.replay import format_timeline, replay
+    from properties.jobs import default_workers, replay_beside, run_fuzz
+    from properties.machine import FuzzSpec
+    from properties.replay import format_timeline
 
     policy = "settled" if a.policy is None else a.policy
     spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
@@ -176,12 +205,17 @@ def cmd_fuzz(a) -> int:
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
                     aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes)
     _validate_spec(spec, a)
+    workers = default_workers() if a.workers is None else a.workers
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: must be at least 1")
+    workers = min(workers, a.examples)
     _usable_out(a.out)
-    db = None
+    db_path = None
     if a.db is not None:
         from properties.database import open_database
 
-        db = open_database(a.db)
+        open_database(a.db)  # refused here (exit 2) rather than in every worker
+        db_path = str(Path(a.db).resolve())
     from impl.target import make_target
 
     target = make_target(a.target)
@@ -190,29 +224,24 @@ def cmd_fuzz(a) -> int:
     if not a.quiet:
         from properties.progress import Progress
 
-        progress = Progress(f"fuzz {a.target} {a.kind}/{spec.policy}")
-    confirm = _AttentionSampler(a.attention_every, a.target) if a.attention_every else None
-
-    def on_example(phase, machine):
-        if progress is not None:
-            progress(phase, machine)
-        if confirm is not None and phase == "teardown":
-            confirm(machine)
-
+        progress = Progress(f"fuzz {a.target} {a.kind}/{spec.policy}"
+                            + (f" x{workers}" if workers > 1 else ""))
     try:
-        res = fuzz(spec, examples=a.examples, seed=a.seed, database=db, target=target,
-                   on_example=on_example if (progress or confirm) else None)
+        res = run_fuzz(spec, a.examples, workers=workers, seed=a.seed, db_path=db_path,
+                       attention_every=a.attention_every,
+                       on_progress=progress.set if progress is not None else None)
     finally:
         if progress is not None:
             progress.close()
     print(_summary(res))
-    if confirm is not None:
-        print(f"attention: {confirm.checked} examples replayed numerically, "
-              f"{len(confirm.missed)} where attention saw a bad read the checker did not")
-        if confirm.missed and res.violation is None and not res.crash:
-            trace, rep = confirm.missed[0]
+    if res.attention is not None:
+        checked, missed = res.attention
+        print(f"attention: {checked} examples replayed numerically, "
+              f"{len(missed)} where attention saw a bad read the checker did not")
+        if missed and res.violation is None and not res.crash:
+            trace, first_bad = missed[0]
             path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
-            print(rep.first_bad)
+            print(first_bad)
             print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
             return EXIT_VIOLATION
     if res.crash:
@@ -220,11 +249,12 @@ def cmd_fuzz(a) -> int:
         print("verdict: TARGET FAILED")
         print(res.crash)
         if path:
-            print(f"trace saved: {path}")
+            print(f"trace saved: {path} ({len(res.trace.events)} events, the last one the "
+                  f"event the target failed on)")
         return EXIT_TARGET
     if res.violation is not None:
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
-        rr = replay(res.trace, target)  # the shrunk trace, as it is saved
+        rr = replay_beside(res.trace, a.target)  # the shrunk trace, as it is saved
         v = rr.first or res.violation
         print(f"verdict: VIOLATION of property {v.prop} ({v.name}) "
               f"after shrinking to {len(res.trace.events)} events")
@@ -240,29 +270,6 @@ def cmd_fuzz(a) -> int:
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
-
-
-class _AttentionSampler:
-    """Every Nth finished example, replay its events through real attention; keep
-    those where attention reads NaN or garbage while the checker saw nothing."""
-
-    def __init__(self, every: int, target: str):
-        self.every, self.target = every, target
-        self.seen = self.checked = 0
-        self.missed: list = []
-
-    def __call__(self, machine) -> None:
-        from model.events import Trace
-        from properties.attention import replay_attention
-
-        self.seen += 1
-        if self.seen % self.every or machine.cfg is None or not machine.events:
-            return
-        trace = Trace(machine.cfg, list(machine.events))
-        rep = replay_attention(trace, target_spec=self.target)
-        self.checked += 1
-        if not rep.ok and not rep.violations:
-            self.missed.append((trace, rep))
 
 
 def _parse_props(text: str) -> frozenset[int]:
@@ -381,7 +388,8 @@ def cmd_replay(a) -> int:
     from dataclasses import replace as dc_replace
 
     from model.events import Trace
-    from properties.replay import format_timeline, replay
+    from properties.jobs import replay_beside
+    from properties.replay import format_timeline
 
     trace = Trace.load(a.trace)
     if a.policy is not None:
@@ -393,7 +401,10 @@ def cmd_replay(a) -> int:
     if a.target is not None and not a.target.strip():
         raise UsageError("--target '': name a target (reference, vllm@VERSION, vllm@PATH)")
     target = a.target or trace.meta.get("target") or "reference"
-    rr = replay(trace, target)
+    from impl.target import make_target
+
+    make_target(target)  # an unknown target or vLLM: one line, before a worker starts
+    rr = replay_beside(trace, target)
     print(f"target {target}")
     if trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
         print(f"checking only properties {', '.join(map(str, sorted(trace.meta['props'])))} "
@@ -480,6 +491,25 @@ def cmd_check(a) -> int:
     return run_check(a)
 
 
+def cmd_gate(a) -> int:
+    import math
+
+    from cli.gate import run_gate
+
+    if not (math.isfinite(a.minutes) and a.minutes > 0):
+        raise UsageError(f"--minutes {a.minutes}: the time budget must be a positive number")
+    if a.workers is not None and a.workers < 1:
+        raise UsageError(f"--workers {a.workers}: must be at least 1")
+    if a.db is not None:
+        from properties.database import open_database
+
+        open_database(a.db)
+    _usable_out(a.reports, "--reports")
+    if a.junit is not None:
+        _usable_out(str(Path(a.junit).parent or "."), "--junit")
+    return run_gate(a)
+
+
 def _check_environment() -> None:
     """The environment variables kvcheck reads, checked before anything runs
     (``KVCHECK_REDIS_URL`` is checked, and tried, where the database opens)."""
@@ -494,6 +524,14 @@ def _check_environment() -> None:
         if not (math.isfinite(t) and t > 0):
             raise UsageError(f"KVCHECK_VLLM_START_TIMEOUT={v[:40]!r}: must be a number of "
                              f"seconds > 0")
+    v = os.environ.get("KVCHECK_HANG_TIMEOUT")
+    if v is not None:
+        try:
+            t = float(v)
+        except ValueError:
+            t = math.nan
+        if not (math.isfinite(t) and t > 0):
+            raise UsageError(f"KVCHECK_HANG_TIMEOUT={v[:40]!r}: must be a number of seconds > 0")
     from properties.database import redis_url
 
     redis_url()
@@ -508,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
-                "check": cmd_check}[a.cmd](a)
+                "check": cmd_check, "gate": cmd_gate}[a.cmd](a)
     except (UsageError, TraceError, Unsupported, DatabaseError) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -83,3 +83,18 @@ def make_target(spec: str) -> Target:
 
         return VllmTarget(spec[len("vllm@"):])
     raise Unsupported(f"unknown target {spec!r} (use 'reference', 'vllm@VERSION' or 'vllm@PATH')")
+
+
+def worker_for(spec: str, slot: int = 0):
+    """A worker process (:class:`impl.worker.WorkerProcess`, started and
+    ready) that runs jobs beside target ``spec``: for a vLLM, one that imported
+    it; for the reference, a plain one. ``slot`` picks one of several."""
+    if spec.startswith("vllm@"):
+        from impl.vllm import worker_for as vllm_worker
+
+        return vllm_worker(spec[len("vllm@"):], slot)
+    if spec != "reference":
+        make_target(spec)  # raises Unsupported for a name no target has
+    from impl.worker import plain_worker
+
+    return plain_worker(slot)

@@ -75,3 +75,32 @@ def open_database(path: str | Path | None = None):
     if p.exists() and not p.is_dir():
         raise DatabaseError(f"example database {p}: exists and is not a folder")
     return DirectoryBasedExampleDatabase(str(p))
+
+
+def recording(inner):
+    """``inner`` wrapped to count the saved examples Hypothesis fetched to
+    replay (``.replayed``; its primary corpus, not the secondary or pareto ones)."""
+    from hypothesis.database import ExampleDatabase
+
+    class RecordingDatabase(ExampleDatabase):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.replayed = 0
+
+        def fetch(self, key: bytes):
+            values = list(self.inner.fetch(key))
+            if not key.endswith((b".secondary", b".pareto")):
+                self.replayed += len(values)
+            yield from values
+
+        def save(self, key: bytes, value: bytes) -> None:
+            self.inner.save(key, value)
+
+        def delete(self, key: bytes, value: bytes) -> None:
+            self.inner.delete(key, value)
+
+        def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+            self.inner.move(src, dest, value)
+
+    return RecordingDatabase()

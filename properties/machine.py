@@ -73,6 +73,12 @@ ACCOUNTING = (3, 4)  # the properties checked as invariants of the state
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 
 
+class StopRun(KeyboardInterrupt):
+    """Raised at the start of an example to end a run early (a time budget, a
+    parallel run that already has its verdict). A KeyboardInterrupt to
+    Hypothesis: it stops at once and saves nothing to the database."""
+
+
 class PropertyFailed(AssertionError):
     """A violation, with the config and events of the example that made it."""
 
@@ -228,6 +234,7 @@ class KVMachine(RuleBasedStateMachine):
         self.drain = False
         self.twin: Twin | None = None
         self.violation: Violation | None = None  # the one this example failed with
+        self.crashed = False  # the target crashed in this example
         self._accounting: Violation | None = None  # for the invariants to raise
 
     # ----------------------------------------------------------- plumbing
@@ -248,11 +255,13 @@ class KVMachine(RuleBasedStateMachine):
         try:
             obs = cls.target.apply(ev)
         except TargetCrash as e:
+            self.crashed = True
             e.example = (self.cfg, list(self.events))
             raise
         except Exception as e:  # the target itself broke on a valid event
             import traceback
 
+            self.crashed = True
             crash = TargetCrash(
                 f"{cls.target.name} raised {type(e).__name__} on {ev}:\n"
                 + traceback.format_exc())
@@ -476,6 +485,11 @@ class FuzzResult:
     trace: Trace | None = None
     crash: str | None = None
     seconds: float = 0.0
+    stopped: bool = False  # ended early (StopRun): fewer examples than asked
+    attention: tuple[int, list] | None = None  # (examples replayed, [(trace, bad read)])
+    workers: int = 1
+    examples_to_fail: int | None = None  # examples run up to the first failing one
+    replayed_from_database: int = 0  # saved examples fetched to replay first
 
     @property
     def vacuous(self) -> list[str]:
@@ -510,6 +524,8 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     example: tuple[Config | None, list[Event]] = (None, [])
     try:
         run_state_machine_as_test(cls, settings=s)
+    except StopRun:
+        result.stopped = True
     except PropertyFailed as e:
         result.violation = e.violation
         example = (e.config, e.events)

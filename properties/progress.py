@@ -60,6 +60,17 @@ class Progress:
             self.last = now
             self._draw(now)
 
+    def set(self, examples: int, events: dict[str, int]) -> None:
+        """The counts so far, summed over runs in other processes."""
+        self.examples = examples
+        self.events = dict(events)
+        if self.every <= 0:
+            return
+        now = self.clock()
+        if now - self.last >= self.every:
+            self.last = now
+            self._draw(now)
+
     def line(self, now: float | None = None) -> str:
         el = (self.clock() if now is None else now) - self.t0
         rate = self.examples / el if el > 0 else 0.0

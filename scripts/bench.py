@@ -576,6 +576,74 @@ def interleaved(target: Any, s: Stream, repeats: int, batched: bool = False,
 # ============================================================ 1. step cost
 
 
+def ceiling_job(target: str, config: Config, events: list[Event], start: int,
+                repeats: int) -> dict[str, list[float]]:
+    """Runs in a worker beside ``target`` (properties/jobs.py): raw stepping
+    with no checks (vLLM: its driver in this process; the reference: its
+    target) against checked stepping as a fuzz run does it (the target as
+    ``make_target`` builds it here, plus ``Checker.feed``), interleaved;
+    wall and CPU seconds of the timed part."""
+    from impl.target import make_target
+    from properties.invariants import Checker
+
+    if target.startswith("vllm@"):
+        from impl.vllm import worker
+
+        raw_t: Any = worker.OPS.Driver()
+    else:
+        raw_t = make_target(target)
+    chk_t = make_target(target)
+    out: dict[str, list[float]] = {"raw_s": [], "checked_s": [], "raw_cpu_s": [],
+                                   "checked_cpu_s": []}
+
+    def raw() -> None:
+        raw_t.reset(config)
+        for ev in events[:start]:
+            raw_t.apply(ev)
+        gc.collect()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for ev in events[start:]:
+            raw_t.apply(ev)
+        out["raw_s"].append(time.perf_counter() - t0)
+        out["raw_cpu_s"].append(time.process_time() - c0)
+
+    def checked() -> None:
+        ch = Checker(config)
+        ch.feed(None, chk_t.reset(config))
+        for ev in events[:start]:
+            ch.feed(ev, chk_t.apply(ev))
+        gc.collect()
+        apply, feed = chk_t.apply, ch.feed
+        c0, t0 = time.process_time(), time.perf_counter()
+        for ev in events[start:]:
+            feed(ev, apply(ev))
+        out["checked_s"].append(time.perf_counter() - t0)
+        out["checked_cpu_s"].append(time.process_time() - c0)
+
+    for i in range(repeats):
+        if i % 2 == 0:
+            raw()
+            checked()
+        else:
+            checked()
+            raw()
+    return out
+
+
+def measure_ceiling(spec: str, s: Stream, repeats: int) -> dict[str, Any]:
+    """:func:`ceiling_job` in a worker beside ``spec``, as figures."""
+    from properties.jobs import _call
+
+    m = _call(spec, 0, "scripts.bench:ceiling_job",
+              (spec, s.config, s.events, s.start, repeats))
+    ratio = [r / c for r, c in zip(m["raw_s"], m["checked_s"], strict=True)]
+    ratio_cpu = [r / c for r, c in zip(m["raw_cpu_s"], m["checked_cpu_s"], strict=True)
+                 if r > 0 and c > 0]
+    return {"raw_steps_per_s": stats([s.steps / x for x in m["raw_s"]]),
+            "checked_steps_per_s": stats([s.steps / x for x in m["checked_s"]]),
+            "checked_over_raw": stats(ratio), "checked_over_raw_cpu": stats(ratio_cpu)}
+
+
 def section_step_cost(st: Settings, targets: Targets, clock: Clock,
                       streams: dict[str, Stream]) -> dict[str, Any]:
     rows = []
@@ -596,7 +664,11 @@ def section_step_cost(st: Settings, targets: Targets, clock: Clock,
             rows.append(not_ok("failed", one_line(e), target=spec))
             continue
         last: CheckedRun = m["last"]
-        rows.append({
+        try:
+            inproc = {"status": "ok", "reason": "", **measure_ceiling(spec, s, st.repeats)}
+        except Exception as e:  # noqa: BLE001
+            inproc = not_ok("failed", one_line(e))
+        rows.append({"in_process": inproc,
             "target": spec, "status": "ok", "reason": "",
             "start_s": round(targets.start_s.get(spec, 0.0), 3),
             "events": len(s.events), "steps": s.steps,
@@ -618,7 +690,15 @@ def section_step_cost(st: Settings, targets: Targets, clock: Clock,
         req = {"target": "reference", "checked_over_raw": med, "checked_over_raw_cpu": cpu,
                "required": 0.5, "met": med >= 0.5,
                "met_cpu": None if cpu is None else cpu >= 0.5}
-    return {"workload": w.describe(), "rows": rows, "requirement": req}
+    vreq = None
+    v = next((r for r in rows if r["target"] == "vllm@0.33.0" and r["status"] == "ok"
+              and r["in_process"]["status"] == "ok"), None)
+    if v is not None:
+        med = v["in_process"]["checked_over_raw"]["median"]
+        vreq = {"target": "vllm@0.33.0", "checked_over_raw": med, "required": 0.5,
+                "met": med >= 0.5}
+    return {"workload": w.describe(), "rows": rows, "requirement": req,
+            "vllm_requirement": vreq}
 
 
 # ============================================================ 1b. examples/s
@@ -631,51 +711,94 @@ def fuzz_rate_spec(target: str) -> Any:
                     external=False)
 
 
+def _rate_runs(spec: str, how: str, n: int, workers: int, policy: str,
+               target: Any) -> tuple[float, float, int, str]:
+    """One fuzz run; (examples/s, examples per CPU second, examples, note).
+    ``how``: ``pipe`` (the state machine here, the target through its
+    worker's pipe: the old way) or ``beside`` (``workers`` runs in workers
+    beside the target). CPU time: this process and its workers."""
+    from properties.jobs import run_fuzz
+    from properties.machine import fuzz
+
+    fs = replace(fuzz_rate_spec(spec), policy=policy)
+    procs = children()
+    c0 = cpu_now(procs)
+    if how == "pipe":
+        res = fuzz(fs, examples=n, seed=0, target=target)
+    else:
+        res = run_fuzz(fs, n * workers, workers=workers, seed=0)
+    cpu = cpu_now(procs) - c0
+    note = ""
+    if res.crash:
+        note = "stopped by a target crash: " + one_line(res.crash.splitlines()[0])
+    elif res.violation is not None:
+        note = f"stopped by a violation (property {res.violation.prop})"
+    ex = res.stats.examples
+    return ex / max(res.seconds, 1e-9), ex / max(cpu, 1e-9), ex, note
+
+
 def section_fuzz_rate(st: Settings, targets: Targets, clock: Clock) -> dict[str, Any]:
     rows = []
     try:
-        from properties.machine import fuzz
+        from impl.target import worker_for
     except Exception as e:  # noqa: BLE001
         return {"spec": "", "rows": [not_ok("unavailable", one_line(e), target=t)
                                      for t in st.targets]}
+    many = max(2, os.cpu_count() or 1)
+    ways = [("pipe", 1), ("beside", 1), ("beside", many)]
     for spec in st.targets:
         t = targets.get(spec)
         if t is None:
             rows.append(not_ok("unavailable", targets.reason(spec), target=spec))
             continue
         n = st.per_target(st.fuzz_examples, spec)
-        rates, examples, notes = [], [], []
+        try:
+            for slot in range(many):  # started before anything is timed
+                worker_for(spec, slot)
+        except Exception as e:  # noqa: BLE001
+            rows.append(not_ok("failed", one_line(e), target=spec))
+            continue
+        rates: dict[str, list[float]] = {f"{h}{w}": [] for h, w in ways}
+        cpu_rates: dict[str, list[float]] = {f"{h}{w}": [] for h, w in ways}
+        examples: dict[str, list[float]] = {f"{h}{w}": [] for h, w in ways}
+        notes = []
         for i in range(st.fuzz_repeats):
             if clock.left() < 0:
-                notes.append(f"time budget spent after {i} run(s)")
+                notes.append(f"time budget spent after {i} round(s)")
                 break
-            fs = fuzz_rate_spec(spec)
-            fs = replace(fs, policy=policy_of(t))
-            try:
-                res = fuzz(fs, examples=n, seed=0, target=t)
-            except Exception as e:  # noqa: BLE001
-                notes.append(one_line(e))
-                break
-            if res.seconds > 0 and res.stats.examples:
-                rates.append(res.stats.examples / res.seconds)
-                examples.append(res.stats.examples)
-            if res.crash:
-                notes.append("stopped by a target crash: " + one_line(res.crash.splitlines()[0]))
-            elif res.violation is not None:
-                notes.append(f"stopped by a violation (property {res.violation.prop}) and "
-                             f"its shrinking: {one_line(res.violation.message, 100)}")
-        if not rates:
+            order = ways if i % 2 == 0 else ways[::-1]
+            for how, w in order:
+                try:
+                    r, rc, ex, note = _rate_runs(spec, how, n, w, policy_of(t), t)
+                except Exception as e:  # noqa: BLE001
+                    notes.append(one_line(e))
+                    continue
+                rates[f"{how}{w}"].append(r)
+                cpu_rates[f"{how}{w}"].append(rc)
+                examples[f"{how}{w}"].append(ex)
+                if note:
+                    notes.append(note)
+        if not rates["beside1"]:
             rows.append(not_ok("failed" if notes else "skipped",
                                "; ".join(dict.fromkeys(notes)) or "the time budget was spent",
                                target=spec))
             continue
+        p, one, nn = (stats(rates[k]) for k in ("pipe1", "beside1", f"beside{many}"))
+        pc, onec = stats(cpu_rates["pipe1"]), stats(cpu_rates["beside1"])
         rows.append({"target": spec, "status": "ok", "reason": "",
-                     "examples_per_s": stats(rates), "examples": stats(examples),
-                     "asked": n, "note": "; ".join(dict.fromkeys(notes))})
+                     "pipe_examples_per_cpu_s": pc, "examples_per_cpu_s": onec,
+                     "speedup_over_pipe_cpu": None if not pc else onec["median"] / pc["median"],
+                     "examples_per_s": one, "pipe_examples_per_s": p,
+                     "workers": many, "many_examples_per_s": nn,
+                     "speedup_over_pipe": None if not p else one["median"] / p["median"],
+                     "scaling": None if not nn else nn["median"] / one["median"],
+                     "examples": stats(examples["beside1"]), "asked": n,
+                     "note": "; ".join(dict.fromkeys(notes))})
     return {"spec": "FuzzSpec(kind='full', hazard='ordered', external=False), the target's "
-                    "own policy, seed 0, no example database, shrinking on (a configuration "
-                    "no target is known to violate, so the runs measure generation)",
-            "rows": rows}
+                    "own policy, seeds 0.., no example database, shrinking on (a configuration "
+                    "no target is known to violate, so the runs measure generation); the "
+                    "workers started before the runs are timed",
+            "workers": many, "rows": rows}
 
 
 # ========================================================= 2. time to detect
@@ -1263,19 +1386,51 @@ def render_markdown(d: dict[str, Any]) -> str:
                     f"; in CPU time {fmt(cpu)}, {'met' if req['met_cpu'] else 'not met'}")
                  + ".")
     L.append("")
+    L.append("### The in-process ceiling")
+    L.append("")
+    L.append("The same stream in a worker beside the target (as a fuzz run drives it): raw is "
+             "the target's own stepping with no checks (vLLM: the driver calling vLLM's "
+             "scheduler in that process), checked is the target as a fuzz run builds it there "
+             "plus `Checker.feed`; the two alternate, CPU time is the worker's.")
+    L.append("")
+    body = []
+    for r in sc["rows"]:
+        ip = r.get("in_process") or {}
+        if r["status"] != "ok" or ip.get("status") != "ok":
+            body.append([r["target"], "—", "—", "—", "—", why(ip if ip else r)])
+            continue
+        body.append([r["target"], fstat(ip["raw_steps_per_s"]), fstat(ip["checked_steps_per_s"]),
+                     fstat(ip["checked_over_raw"]), fstat(ip["checked_over_raw_cpu"]), ""])
+    L += _table(["target", "in-process raw steps/s", "checked steps/s", "checked/raw",
+                 "checked/raw, CPU time", "notes"], body)
+    L.append("")
+    vreq = sc.get("vllm_requirement")
+    if vreq is not None:
+        L.append(f"Requirement (vllm@0.33.0 checked ≥ half of in-process raw): checked/raw = "
+                 f"{fmt(vreq['checked_over_raw'])}, **{'met' if vreq['met'] else 'not met'}**.")
+        L.append("")
     fr = d["fuzz_rate"]
+    many = fr.get("workers", 2)
     L.append("### Hypothesis examples per second")
     L.append("")
-    L.append(f"`fuzz()`: {fr['spec']}.")
+    L.append(f"{fr['spec']}. Through the pipe: the state machine in this process, each event a "
+             f"round trip to the target's worker (the way before runs moved beside the "
+             f"target). Beside: `run_fuzz` with 1 and {many} workers, the examples shared out.")
     L.append("")
     body = []
     for r in fr["rows"]:
         if r["status"] != "ok":
-            body.append([r["target"], "—", "—", why(r)])
+            body.append([r["target"], "—", "—", "—", "—", "—", why(r)])
             continue
-        body.append([r["target"], fstat(r["examples_per_s"]), fstat(r["examples"]),
-                     r["note"] or f"{r['asked']} examples asked"])
-    L += _table(["target", "examples/s", "examples run", "notes"], body)
+        body.append([r["target"], fstat(r.get("pipe_examples_per_s")),
+                     fstat(r["examples_per_s"]), fmt(r.get("speedup_over_pipe")),
+                     fstat(r.get("many_examples_per_s")), fmt(r.get("scaling")),
+                     fstat(r.get("pipe_examples_per_cpu_s")), fstat(r.get("examples_per_cpu_s")),
+                     fmt(r.get("speedup_over_pipe_cpu")),
+                     r["note"] or f"{r['asked']} examples asked per worker"])
+    L += _table(["target", "through the pipe", "beside, 1 worker", "× pipe",
+                 f"beside, {many} workers", f"{many} workers / 1",
+                 "per CPU s: pipe", "per CPU s: beside", "× pipe, CPU", "notes"], body)
     L.append("")
 
     # 2

@@ -524,7 +524,8 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     else:
         cli, target = tree / "kvcheck", "reference"
     cmd = [sys.executable, str(cli), "fuzz", "--target", target, *row.args,
-           "--examples", str(max(examples, m.min_examples)), "--seed", str(seed), "--quiet",
+           "--examples", str(max(examples, m.min_examples)), "--seed", str(seed),
+           "--workers", "1", "--quiet",
            "--no-report", "--out", str(dest)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800,

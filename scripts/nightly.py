@@ -6,9 +6,12 @@ database, and a report a reviewer can read in the morning.
     NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py [--reports DIR] [--db DIR]
 
 The matrix (see :func:`build_matrix`): the reference target under the
-``settled`` policy for full, sliding, chunked_local, mamba and hybrid; the
-newest supported vLLM release (``vllm@0.33.0``) for each kind it supports,
-under its own policy. A target that cannot be loaded is a failed row that
+``settled`` policy for full, sliding, chunked_local, mamba and hybrid; and
+the gate's matrix (``cli/gate.py``: every kind x hazard x depth x drafts x
+prefix caching x failed loads) for the newest supported vLLM release
+(``vllm@0.33.0``), its known findings listed as known. The rows run on the
+gate's engine (:func:`cli.gate.run_rows`): each a fuzz run in a worker beside
+its target, the budget spread over the cores. A target that cannot be loaded is a failed row that
 says why, never a silent omission. ``KVCHECK_NIGHTLY_MATRIX`` restricts or
 extends it, entries separated by commas::
 
@@ -23,14 +26,11 @@ An entry is ``TARGET:KIND[:POLICY][:KEY=VALUE...]`` with keys ``depth``,
 vLLM rows run with ``failed_loads=off``: they fuzz past the known failed-load
 findings (findings/README.md), which tests/test_findings.py pins.
 
-Why pytest-xdist and not HypoFuzz: the rows are independent, time-boxed
-Hypothesis runs, and xdist (pinned in requirements.txt, already how ``make
-test`` runs) spreads them over the machine's cores and gives the JUnit file CI
-reads, with no server. HypoFuzz is not pinned here, schedules test functions
-rather than time-boxed rows with a verdict each, and reports through its
+Why not HypoFuzz: the rows are independent, time-boxed Hypothesis runs with
+a verdict each; HypoFuzz schedules test functions and reports through its
 dashboard rather than a JUnit file; the persistent database we share with it
-would be the only common part anyway. One worker per core, each row gets
-``budget * workers / rows`` seconds (less the start-up reserve).
+would be the only common part anyway. Each row gets the time left divided
+among the rows left, times the workers (one per core by default).
 
 The example database is the directory ``.hypothesis/kvcheck`` (``--db``), or
 Redis when ``KVCHECK_REDIS_URL`` is set (:func:`properties.database.open_database`):
@@ -38,7 +38,7 @@ a failure found once is saved there and replayed first on every later night,
 and ``summary.json`` says so per row (``replayed_from_database``,
 ``examples_to_fail``).
 
-Writes into ``reports/``: ``junit.xml`` (pytest), ``summary.json``,
+Writes into ``reports/``: ``junit.xml`` (one ``test_row[ID]`` per row), ``summary.json``,
 ``summary.md``, and per failing row under ``counterexamples/`` the trace,
 its picture (``.png``) and a pytest reproducer (``test_*.py``).
 Exit status: 0 every row holds, 1 a row failed, 2 a bad matrix.
@@ -52,25 +52,19 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
+from cli.gate import KNOBS, gate_matrix, row_id  # noqa: E402 - one home for the matrix
+
+KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid", "rswa", "sink")
+REFERENCE_KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
 DEFAULT_VLLM = "vllm@0.33.0"
-KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
-         "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
-         "steps": int}
-# vLLM's default rows fuzz past its known failed-load findings (findings/README.md,
-# pinned by tests/test_findings.py); +vllm@0.33.0:full:failed_loads=on looks for more
-VLLM_DEFAULT_KNOBS = {"failed_loads": False}
-TEST_FILE = "tests/nightly/test_nightly_fuzz.py"
 
 
 class MatrixError(ValueError):
@@ -78,16 +72,6 @@ class MatrixError(ValueError):
 
 
 # ------------------------------------------------------------------ matrix
-
-
-def row_id(target: str, kind: str, policy: str, knobs: dict) -> str:
-    parts = [target.replace("@", "-").replace("/", "_").replace(":", "_"), kind, policy]
-    parts += [f"{k}{_knob_text(v)}" for k, v in sorted(knobs.items())]
-    return "-".join(parts)
-
-
-def _knob_text(v) -> str:
-    return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
 def _probe(target: str, cache: dict) -> tuple[object | None, str | None]:
@@ -125,18 +109,15 @@ def make_row(target: str, kind: str, policy: str | None, knobs: dict, cache: dic
 
 def default_matrix(cache: dict, vllm: str = DEFAULT_VLLM) -> tuple[list[dict], list[str]]:
     """The rows that should hold, and notes on kinds a target does not support."""
-    rows = [make_row("reference", k, "settled", {}, cache, "default") for k in KINDS]
+    rows = [make_row("reference", k, "settled", {}, cache, "default") for k in REFERENCE_KINDS]
     notes = []
     caps, why = _probe(vllm, cache)
     if caps is None:
         rows.append({"id": row_id(vllm, "all", "-", {}), "target": vllm, "kind": "all",
                      "policy": "-", "knobs": {}, "unavailable": why, "source": "default"})
     else:
-        for k in KINDS:
-            if k in caps.kinds:
-                rows.append(make_row(vllm, k, None, dict(VLLM_DEFAULT_KNOBS), cache, "default"))
-            else:
-                notes.append(f"{vllm} does not support {k}: not in the matrix")
+        gate, notes = gate_matrix(vllm, caps)
+        rows += [{**r, "source": "default"} for r in gate]
     return rows, notes
 
 
@@ -253,6 +234,8 @@ def _db_label(db: str) -> str:
 
 def run(minutes: float, reports: Path, db: str, workers: int | None = None,
         matrix_spec: str | None = None, python: str = sys.executable) -> int:
+    from cli.gate import exit_status, run_rows, write_junit
+
     t0 = time.time()
     started = datetime.now(UTC)
     reports.mkdir(parents=True, exist_ok=True)
@@ -265,89 +248,29 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
     except MatrixError as e:
         print(f"nightly: {e}", file=sys.stderr)
         return 2
-    budget = max(1.0, minutes * 60)
-    setup_s = time.time() - t0
+    budget = max(1.0, minutes * 60) - (time.time() - t0)
     ncpu = os.cpu_count() or 1
     workers = max(1, min(workers or ncpu, len(rows)))
-    reserve = min(90.0, max(6.0, 0.15 * budget)) + setup_s
-    waves = -(-len(rows) // workers)
-    per_row = max(3.0, (budget - reserve) / waves)
-    matrix_file = reports / "matrix.json"
-    matrix_file.write_text(json.dumps({"rows": rows, "seconds": per_row, "db": db,
-                                       "reports": str(reports.resolve())}, indent=1))
+    print(f"nightly: {len(rows)} rows on {workers} worker(s), budget {minutes:g} min, "
+          f"database {_db_label(db)}", flush=True)
+    results = run_rows(rows, budget, workers, db, reports,
+                       log=lambda line: print(line, flush=True))
     junit = reports / "junit.xml"
-    cmd = [python, "-m", "pytest", TEST_FILE, "-n", str(workers), "-q", "-rN",
-           f"--junitxml={junit}", "-o", "junit_suite_name=kvcheck-nightly",
-           "-o", "junit_family=xunit2", "--tb=short"]
-    env = dict(os.environ, KVCHECK_NIGHTLY_MATRIX_FILE=str(matrix_file.resolve()))
-    print(f"nightly: {len(rows)} rows on {workers} worker(s), {per_row:.0f}s each, "
-          f"budget {minutes:g} min, database {_db_label(db)}", flush=True)
-    timeout = budget + max(120.0, 0.5 * budget)
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True,
-                           text=True)
-        pytest_rc, pytest_out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        pytest_rc = -1
-        pytest_out = f"pytest ran past {timeout:.0f}s and was stopped\n" + (
-            e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
-    (reports / "pytest.log").write_text(pytest_out)
-    summary = collect(rows, reports, junit, pytest_rc, pytest_out)
-    summary.update({
-        "started": started.isoformat(timespec="seconds"),
-        "seconds": round(time.time() - t0, 1),
-        "minutes": minutes, "workers": workers, "cpus": ncpu,
-        "per_row_seconds": round(per_row, 1), "database": _db_label(db), "notes": notes,
-    })
-    (reports / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_junit(results, junit, "kvcheck-nightly")
+    ok = bool(results) and exit_status(results) == 0
+    summary = {"ok": ok, "passed": sum(1 for r in results if r["ok"]),
+               "failed": sum(1 for r in results if not r["ok"]), "rows": results,
+               "junit": str(junit),
+               "started": started.isoformat(timespec="seconds"),
+               "seconds": round(time.time() - t0, 1),
+               "minutes": minutes, "workers": workers, "cpus": ncpu,
+               "per_row_seconds": round(budget * workers / max(1, len(rows)), 1),
+               "database": _db_label(db), "notes": notes}
+    (reports / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = format_markdown(summary, reports)
     (reports / "summary.md").write_text(md)
     print(md)
     return 0 if summary["ok"] else 1
-
-
-def _junit_cases(junit: Path) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    if not junit.exists():
-        return out
-    try:
-        tree = ET.parse(junit)
-    except ET.ParseError:
-        return out
-    for tc in tree.iter("testcase"):
-        name = tc.get("name", "")
-        rid = name[name.find("[") + 1:-1] if "[" in name else name
-        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
-        out[rid] = {"outcome": "failed" if bad is not None else
-                    "skipped" if tc.find("skipped") is not None else "passed",
-                    "message": (bad.get("message") or "")[:500] if bad is not None else "",
-                    "time": float(tc.get("time") or 0)}
-    return out
-
-
-def collect(rows: list[dict], reports: Path, junit: Path, pytest_rc: int,
-            pytest_out: str) -> dict:
-    cases = _junit_cases(junit)
-    out_rows = []
-    for row in rows:
-        f = reports / "rows" / f"{row['id']}.json"
-        res = json.loads(f.read_text()) if f.exists() else None
-        case = cases.get(row["id"])
-        if res is None:
-            res = {**row, "verdict": "NO RESULT", "ok": False,
-                   "detail": (case or {}).get("message") or "the test wrote no result "
-                             "(crashed or stopped); see pytest.log"}
-        if case is not None and case["outcome"] != "passed" and res.get("ok"):
-            res = {**res, "ok": False, "verdict": "FAILED",
-                   "detail": case["message"]}
-        res["junit"] = case["outcome"] if case else "missing"
-        out_rows.append(res)
-    ok = bool(out_rows) and all(r["ok"] for r in out_rows) and pytest_rc == 0
-    tail = "\n".join(pytest_out.strip().splitlines()[-15:])
-    return {"ok": ok, "passed": sum(1 for r in out_rows if r["ok"]),
-            "failed": sum(1 for r in out_rows if not r["ok"]), "rows": out_rows,
-            "pytest_exit": pytest_rc, "pytest_tail": tail if pytest_rc not in (0, 1) else "",
-            "junit": str(junit)}
 
 
 def _rel(p: str | None, base: Path) -> str | None:
@@ -364,7 +287,7 @@ def format_markdown(s: dict, reports: Path) -> str:
     lines = [f"# kvcheck nightly: {head}", "",
              f"{s['started']}, {s['seconds']:.0f}s: budget {s['minutes']:g} min, "
              f"{len(s['rows'])} rows on {s['workers']} worker(s) ({s['cpus']} CPUs), "
-             f"{s['per_row_seconds']:.0f}s per row; example database: {s['database']}", "",
+             f"about {s['per_row_seconds']:.0f}s per row; example database: {s['database']}", "",
              "| row | verdict | examples | ex/s | events | witnesses | s | counterexample |",
              "|---|---|---:|---:|---:|---|---:|---|"]
     for r in s["rows"]:
@@ -373,7 +296,7 @@ def format_markdown(s: dict, reports: Path) -> str:
         exp = r.get("expected") or []
         wtxt = f"{sum(1 for w in exp if wit.get(w))}/{len(exp)}" if exp else "-"
         verdict = r["verdict"]
-        if r.get("examples_to_fail"):
+        if r.get("examples_to_fail") and not r.get("known"):
             verdict += f" at example {r['examples_to_fail']}"
         if r.get("replayed_from_database"):
             verdict += " (replayed from the database)"
@@ -400,8 +323,6 @@ def format_markdown(s: dict, reports: Path) -> str:
                 lines += [f"replay: `./kvcheck replay {r['trace']} --target {r['target']}`"]
     if s.get("notes"):
         lines += ["", "## Not in the matrix", ""] + [f"- {n}" for n in s["notes"]]
-    if s.get("pytest_tail"):
-        lines += ["", f"## pytest exit {s['pytest_exit']}", "", "```", s["pytest_tail"], "```"]
     return "\n".join(lines) + "\n"
 
 

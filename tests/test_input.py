@@ -310,12 +310,13 @@ def test_replay_policy_empty_is_exit_2(tmp_path, capsys):
     assert "unknown policy ''" in one_line_error(*cli(capsys, "replay", str(p), "--policy", ""))
 
 
+@pytest.mark.parametrize("name", ["KVCHECK_VLLM_START_TIMEOUT", "KVCHECK_HANG_TIMEOUT"])
 @pytest.mark.parametrize("value", ["abc", "", "-5", "0", "nan", "inf"])
-def test_vllm_start_timeout_must_be_seconds(tmp_path, capsys, monkeypatch, value):
-    monkeypatch.setenv("KVCHECK_VLLM_START_TIMEOUT", value)
+def test_timeouts_must_be_seconds(tmp_path, capsys, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
     p = _write(tmp_path, base_trace())
     line = one_line_error(*cli(capsys, "replay", str(p), "--no-report"))
-    assert "KVCHECK_VLLM_START_TIMEOUT" in line
+    assert name in line
 
 
 @pytest.mark.parametrize("url, fragment", [
@@ -344,7 +345,9 @@ def test_every_environment_variable_the_cli_reads_is_validated():
                 for chunk in src.split(key)[1:]:
                     read.add(chunk.split('"')[0])
     read -= {"KVCHECK_ROOT", "KVCHECK_TARGET", "KVCHECK_POLICY"}  # the reproducer's, in its text
-    assert read <= {"KVCHECK_REDIS_URL", "KVCHECK_VLLM_START_TIMEOUT"}, read
+    # set by kvcheck for its own worker processes (impl/worker.py), never by a user
+    read -= {"KVCHECK_WORKER_SETUP", "KVCHECK_WORKER_VLLM", "KVCHECK_FLIGHT"}
+    assert read <= {"KVCHECK_REDIS_URL", "KVCHECK_VLLM_START_TIMEOUT", "KVCHECK_HANG_TIMEOUT"}, read
 
 
 # ------------------------------------------- the CLI itself, property-based

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from cli.gate import gate_matrix, run_row
 from impl.target import Capabilities
-from tests.nightly.runner import fuzz_for, run_row
+from properties.jobs import fuzz_job
 
 ROOT = Path(__file__).resolve().parent.parent
 NIGHTLY = ROOT / "scripts" / "nightly.py"
@@ -42,10 +43,15 @@ def test_default_matrix_and_restrictions():
     nightly = load_nightly()
     rows, notes = nightly.build_matrix(None, vllm_cache())
     ids = [r["id"] for r in rows]
-    assert ids == ["reference-full-settled", "reference-sliding-settled",
-                   "reference-chunked_local-settled", "reference-mamba-settled",
-                   "reference-hybrid-settled", "vllm-0.33.0-full-settled-failed_loadsoff",
-                   "vllm-0.33.0-sliding-settled-failed_loadsoff"]
+    assert ids[:5] == ["reference-full-settled", "reference-sliding-settled",
+                       "reference-chunked_local-settled", "reference-mamba-settled",
+                       "reference-hybrid-settled"]
+    # the vLLM rows are the gate's matrix: one home for it
+    gate = gate_matrix("vllm@0.33.0", vllm_cache()["vllm@0.33.0"][0])[0]
+    assert ids[5:] == [r["id"] for r in gate] and len(gate) == 2 * (12 + 24)
+    assert {r["knobs"]["depth"] for r in gate} == {1, 2, 3}
+    assert {(r["knobs"]["hazard"], r["knobs"]["failed_loads"]) for r in gate} == {
+        ("ordered", False), ("unordered", False), ("unordered", True)}
     assert all(r["unavailable"] is None for r in rows)
     assert any("mamba" in n for n in notes)  # said, not silently dropped
     only = nightly.build_matrix("reference:sliding:optimistic:depth=2", vllm_cache())[0]
@@ -54,7 +60,7 @@ def test_default_matrix_and_restrictions():
     ref = nightly.build_matrix("reference:*", vllm_cache())[0]
     assert len(ref) == 5 and {r["target"] for r in ref} == {"reference"}
     plus = nightly.build_matrix("+reference:sliding:optimistic:depth=2", vllm_cache())[0]
-    assert len(plus) == 8 and plus[-1]["policy"] == "optimistic"
+    assert len(plus) == len(rows) + 1 and plus[-1]["policy"] == "optimistic"
     minus = nightly.build_matrix("-vllm@*", vllm_cache())[0]
     assert len(minus) == 5
     js = nightly.build_matrix('[{"target": "reference", "kind": "mamba", "spec_tokens": 2}]',
@@ -210,15 +216,15 @@ def test_redis_database_replays_a_failure_first(tmp_path, redis_url, monkeypatch
     db = open_database(unused)
     assert isinstance(db, RedisExampleDatabase)
     spec = FuzzSpec(kind="sliding", policy="optimistic", depth=2)
-    first = fuzz_for(spec, 20, db)
-    assert first["result"].violation is not None
+    first = fuzz_job(spec, 20, db_path=str(unused))
+    assert first.violation is not None
     client = redis.Redis.from_url(redis_url)
     assert client.keys("kvcheck:*"), "nothing saved in Redis"
     assert not unused.exists()
     # a new connection, as the next night would open: the failure comes first
-    again = fuzz_for(spec, 20, open_database(unused))
-    assert again["result"].violation is not None
-    assert again["replayed_from_database"] >= 1 and again["examples_to_fail"] == 1
+    again = fuzz_job(spec, 20, db_path=str(unused))
+    assert again.violation is not None
+    assert again.replayed_from_database >= 1 and again.examples_to_fail == 1
     # and a nightly row on the same database says so in its result
     row = {"id": "reference-sliding-optimistic-depth2", "target": "reference",
            "kind": "sliding", "policy": "optimistic", "knobs": {"depth": 2},

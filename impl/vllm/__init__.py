@@ -151,19 +151,16 @@ Where vLLM differs from docs/SEMANTICS.md (measured on 0.25.1, 0.26.0, 0.33.0)
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
+from impl.worker import WorkerDied, WorkerProcess, flight_from_env, in_worker
 from model.events import (
     Abort,
     AddRequest,
@@ -178,7 +175,6 @@ from model.events import (
 from model.observations import Observed, ProcessObs, StepObs
 
 from . import compat
-from .worker import recv, send
 
 __all__ = ["VllmTarget", "resolve"]
 
@@ -258,103 +254,122 @@ def resolve(spec: str) -> _Install:
 # --------------------------------------------------------------- the worker
 
 
-def _python() -> str:
-    venv = compat.REPO / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+def worker_env(inst: _Install) -> dict[str, str]:
+    """The environment of a worker process of ``inst`` (beside PYTHONPATH)."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": dict(os.environ).get("KVCHECK_VLLM_LOG_LEVEL", "ERROR"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "KVCHECK_WORKER_VLLM": os.pathsep.join(inst.key),
+    }
+
+
+def _here(inst: _Install) -> bool:
+    """Whether this process is a worker that imported ``inst``'s vLLM."""
+    return os.environ.get("KVCHECK_WORKER_VLLM") == os.pathsep.join(inst.key) and in_worker()
 
 
 class _Worker:
-    """One worker process for one vLLM; shared by every target of that vLLM."""
+    """One worker process for one vLLM (:class:`impl.worker.WorkerProcess`);
+    ``slot`` tells apart several of the same vLLM (parallel fuzz runs)."""
 
-    _all: dict[tuple[str, ...], _Worker] = {}
+    _all: dict[tuple[tuple[str, ...], int], _Worker] = {}
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, inst: _Install) -> _Worker:
+    def get(cls, inst: _Install, slot: int = 0) -> _Worker | _InProcess:
+        if _here(inst):
+            return _InProcess.get(inst)
         with cls._lock:
-            w = cls._all.get(inst.key)
+            w = cls._all.get((inst.key, slot))
             if w is None or not w.alive():
-                w = cls._all[inst.key] = cls(inst)
+                w = cls._all[(inst.key, slot)] = cls(inst)
             return w
 
     def __init__(self, inst: _Install):
         self.inst = inst
-        fd, self.log_path = tempfile.mkstemp(prefix=f"kvcheck-vllm-{inst.version}-",
-                                             suffix=".log")
-        env = dict(os.environ)
-        env.update({
-            "PYTHONPATH": os.pathsep.join([*(str(p) for p in inst.path), str(compat.REPO)]),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": env.get("KVCHECK_VLLM_LOG_LEVEL", "ERROR"),
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        })
-        self.proc = subprocess.Popen(
-            [_python(), "-m", "impl.vllm.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd,
-            cwd=str(compat.REPO), env=env,
-        )
-        os.close(fd)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.inp: BinaryIO = self.proc.stdout
-        self.out: BinaryIO = self.proc.stdin
-        self.info: dict[str, Any] | None = None
+        self.p = WorkerProcess(f"vllm {inst.label}", [str(p) for p in inst.path],
+                               worker_env(inst), setup="impl.vllm.worker:setup")
+        self.proc = self.p.proc
         self.sessions = itertools.count()
 
+    @property
+    def info(self) -> dict[str, Any] | None:
+        return self.p.info
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.p.alive()
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return self.p.log_tail(n)
 
     def ready(self) -> dict[str, Any]:
-        if self.info is None:
-            timer = threading.Timer(READY_TIMEOUT_S, self.proc.kill)
-            timer.start()
-            try:
-                msg = recv(self.inp)
-            except (EOFError, OSError):
-                raise TargetError(
-                    f"vllm {self.inst.label}: the worker died while importing vLLM:\n"
-                    f"{self.log_tail()}") from None
-            finally:
-                timer.cancel()
-            if msg[0] != "ready":
-                self.close()
-                raise TargetError(f"vllm {self.inst.label} cannot be imported:\n{msg[1]}")
-            self.info = msg[1]
-        return self.info
+        try:
+            return self.p.ready(READY_TIMEOUT_S)
+        except WorkerDied:
+            raise TargetError(f"vllm {self.inst.label}: the worker died while importing vLLM:\n"
+                              f"{self.log_tail()}") from None
+        except RuntimeError as e:
+            raise TargetError(f"vllm {self.inst.label} cannot be imported:\n{e}") from None
 
     def call(self, op: str, session: Any, payload: Any) -> Any:
         self.ready()
         try:
-            send(self.out, (op, session, payload))
-            return recv(self.inp)
-        except (EOFError, OSError, BrokenPipeError):
-            code = self.proc.poll()
-            raise TargetCrash(
-                f"vllm {self.inst.label}: the worker process died (exit status {code}):\n"
-                f"{self.log_tail()}") from None
+            return self.p.call(op, session, payload)
+        except WorkerDied as e:
+            raise TargetCrash(str(e)) from None
 
     def close(self) -> None:
-        if self.alive():
-            try:
-                send(self.out, ("quit", None, None))
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(self.log_path)
+        self.p.close()
+
+
+class _InProcess:
+    """The driver in this very process (a job running inside a vLLM worker):
+    the same requests as :class:`_Worker`, as function calls, each config and
+    event written to the flight recorder before it runs."""
+
+    _one: _InProcess | None = None
+
+    @classmethod
+    def get(cls, inst: _Install) -> _InProcess:
+        if cls._one is None:
+            cls._one = cls(inst)
+        return cls._one
+
+    def __init__(self, inst: _Install):
+        from . import worker
+
+        assert worker.OPS is not None, "a vLLM worker's setup() runs first"
+        self.inst = inst
+        self.ops = worker.OPS
+        self.info = self.ops.info()
+        self.sessions = itertools.count(1_000_000)
+        self.flight = flight_from_env()
+        self.proc = None
+
+    def alive(self) -> bool:
+        return True
+
+    def log_tail(self, n: int = 4000) -> str:
+        return ""
+
+    def ready(self) -> dict[str, Any]:
+        return self.info
+
+    def call(self, op: str, session: Any, payload: Any) -> Any:
+        f = self.flight
+        if f is not None:
+            if op == "reset":
+                f.reset(session, payload)
+            elif op == "apply":
+                f.apply(session, payload)
+        return self.ops.handle(op, session, payload)
+
+    def close(self) -> None:
+        pass
 
 
 def _shutdown_all() -> None:
@@ -522,6 +537,15 @@ class VllmTarget:
         if t is Finish or t is Abort:
             return self._status.get(event.id, "finished") != "finished"
         return False
+
+
+def worker_for(spec: str, slot: int = 0) -> WorkerProcess:
+    """A started worker process of the vLLM ``spec`` names, for jobs
+    (:func:`impl.target.worker_for`); ``slot`` picks one of several."""
+    w = _Worker.get(resolve(spec), slot)
+    assert isinstance(w, _Worker)
+    w.ready()
+    return w.p
 
 
 def _drop_session(worker: _Worker, session: Any) -> None:

@@ -1,125 +1,89 @@
-"""The worker process: imports one vLLM and serves drivers over pipes.
+"""vLLM inside a worker process (:mod:`impl.worker`): the driver's requests.
 
-Started by :class:`impl.vllm.VllmTarget` as ``python -m impl.vllm.worker``
-with that vLLM first on ``PYTHONPATH``. Protocol: length-prefixed pickles
-(4-byte little-endian length, then ``pickle.dumps(message)``) on the original
-stdin/stdout; anything vLLM prints goes to stderr (the parent's log file).
-
-Requests ``(op, session, payload)``:
+:class:`impl.vllm.VllmTarget` starts ``python -m impl.worker`` with that vLLM
+first on ``PYTHONPATH`` and ``KVCHECK_WORKER_SETUP=impl.vllm.worker:setup``:
+:func:`setup` imports vLLM, warms a scheduler up and serves, besides the
+worker's jobs (a fuzz run or a replay, whose target then calls
+:class:`DriverOps` in the same process):
 
 * ``("reset", s, config)``   -> ``("ok", Observed)`` / ``("unsupported", line)``
 * ``("apply", s, [events])`` -> ``("ok", [Observed, ...])``, or, when event i
   fails, ``(kind, message, [Observed of events < i])`` with kind
   ``unsupported`` / ``rejected`` / ``crash`` (message: the traceback)
 * ``("drop", s, None)``      -> ``("ok", None)``
-* ``("quit", None, None)``   -> exits
 
-The first message the worker sends is ``("ready", info)`` once vLLM is
-imported (or ``("crash", traceback)`` if it cannot be). One driver per
-session: several targets of one version share the process, not the state.
+One driver per session: several targets of one version share the process,
+not the state.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import struct
-import sys
 import traceback
-from typing import Any, BinaryIO
+from typing import Any
 
-_HEADER = struct.Struct("<I")
+from impl.worker import recv, send  # noqa: F401 - the protocol, for callers
 
-
-def send(out: BinaryIO, msg: Any) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(_HEADER.pack(len(data)))
-    out.write(data)
-    out.flush()
+OPS: DriverOps | None = None
 
 
-def recv(inp: BinaryIO) -> Any:
-    head = inp.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        raise EOFError
-    (n,) = _HEADER.unpack(head)
-    data = inp.read(n)
-    if len(data) < n:
-        raise EOFError
-    return pickle.loads(data)
+class DriverOps:
+    """The drivers of one process, one per session."""
 
+    def __init__(self) -> None:
+        from .driver import ConfigUnsupported, Driver, EventRejected, EventUnsupported
 
-def main() -> None:
-    inp = os.fdopen(os.dup(0), "rb")
-    out = os.fdopen(os.dup(1), "wb")
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)  # stray output of vLLM goes to the log, never into the protocol
+        self.Driver = Driver
+        self.errors = (ConfigUnsupported, EventUnsupported, EventRejected)
+        self.proto = Driver()
+        self.proto.warm_up()
+        self.drivers: dict[Any, Any] = {}
 
-    try:
-        from .driver import (
-            ConfigUnsupported,
-            Driver,
-            EventRejected,
-            EventUnsupported,
-        )
+    def info(self) -> dict[str, Any]:
+        return self.proto.info()
 
-        proto = Driver()
-        proto.warm_up()
-        info = proto.info()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        send(out, ("crash", traceback.format_exc()))
-        return
-    send(out, ("ready", info))
-
-    drivers: dict[Any, Driver] = {}
-
-    def driver(session: Any) -> Driver:
-        d = drivers.get(session)
+    def driver(self, session: Any) -> Any:
+        d = self.drivers.get(session)
         if d is None:
-            d = drivers[session] = proto if not drivers and proto.sched is None else Driver()
+            d = self.drivers[session] = (self.proto if not self.drivers
+                                         and self.proto.sched is None else self.Driver())
         return d
 
-    while True:
-        try:
-            op, session, payload = recv(inp)
-        except EOFError:
-            return
-        if op == "quit":
-            return
+    def handle(self, op: str, session: Any, payload: Any) -> Any:
+        config_unsupported, event_unsupported, event_rejected = self.errors
         if op == "drop":
-            drivers.pop(session, None)
-            send(out, ("ok", None))
-            continue
-        d = driver(session)
+            self.drivers.pop(session, None)
+            return ("ok", None)
+        d = self.driver(session)
         if op == "reset":
             try:
-                send(out, ("ok", d.reset(payload)))
-            except ConfigUnsupported as e:
+                return ("ok", d.reset(payload))
+            except config_unsupported as e:
                 d.sched = None
-                send(out, ("unsupported", str(e)))
+                return ("unsupported", str(e))
             except Exception:  # noqa: BLE001
                 d.sched = None
-                send(out, ("crash", traceback.format_exc()))
-        elif op == "apply":
+                return ("crash", traceback.format_exc())
+        if op == "apply":
             done: list[Any] = []
-            reply: Any = None
             for ev in payload:
                 try:
                     done.append(d.apply(ev))
-                except EventUnsupported as e:
-                    reply = ("unsupported", str(e), done)
-                except EventRejected as e:
-                    reply = ("rejected", str(e), done)
+                except event_unsupported as e:
+                    return ("unsupported", str(e), done)
+                except event_rejected as e:
+                    return ("rejected", str(e), done)
                 except Exception:  # noqa: BLE001 - vLLM (or the instrumentation) raised
                     d.sched = None  # its state is unknown now: reset() before more events
-                    reply = ("crash", traceback.format_exc(), done)
-                if reply is not None:
-                    break
-            send(out, reply or ("ok", done))
-        else:
-            send(out, ("crash", f"unknown request {op!r}"))
+                    return ("crash", traceback.format_exc(), done)
+            return ("ok", done)
+        return ("crash", f"unknown request {op!r}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def setup() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Import vLLM (the first scheduler pays for its lazy imports) and serve
+    the driver's requests."""
+    global OPS
+    OPS = DriverOps()
+    ops = OPS
+    return ops.info(), {op: (lambda s, p, op=op: ops.handle(op, s, p))
+                        for op in ("reset", "apply", "drop")}

@@ -1,0 +1,144 @@
+"""Runs beside the target: parallel fuzz runs, a worker that dies or hangs.
+
+A vLLM crash is injected with a patched tree (``vllm@0.33.0+DIFF``): the
+third ``schedule()`` of every scheduler ends the process (``os._exit``) or
+never returns. The run must end with exit 3 and the trace that did it (the
+flight recorder's), not hang.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from properties.jobs import merge, run_fuzz, seeds, split
+from properties.machine import FuzzSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHED = "vllm/v1/core/sched/scheduler.py"
+LINE = "        self.current_step += 1\n"
+
+
+def _diff(tmp_path: Path, name: str, inject: str) -> Path:
+    src = (ROOT / ".vllm" / "0.33.0" / SCHED).read_text().splitlines(keepends=True)
+    i = src.index(LINE)
+    new = [*src[: i + 1], "        if self.current_step == 3:\n", f"            {inject}\n",
+           *src[i + 1:]]
+    text = "".join(difflib.unified_diff(src, new, f"a/{SCHED}", f"b/{SCHED}"))
+    p = tmp_path / f"{name}.diff"
+    p.write_text(text)
+    return p
+
+
+def _fuzz(tmp_path: Path, target: str, *extra: str, env: dict | None = None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, str(ROOT / "kvcheck"), "fuzz", "--target", target,
+                           "--kind", "full", "--hazard", "ordered", "--no-external",
+                           "--examples", "30", "--workers", "1", "--seed", "0", "--quiet",
+                           "--out", str(tmp_path / "ce"), *extra],
+                          capture_output=True, text=True, cwd=ROOT, env=e, timeout=400)
+
+
+def test_split_and_seeds():
+    assert split(10, 3) == [4, 3, 3] and split(2, 4) == [1, 1] and sum(split(7, 2)) == 7
+    assert seeds(5, 3) == [5, 6, 7] and seeds(None, 2) == [None, None]
+
+
+def test_reference_runs_in_parallel_merge_their_counts():
+    spec = FuzzSpec(kind="sliding", policy="settled", depth=2, external=False)
+    res = run_fuzz(spec, 40, workers=2, seed=3)
+    assert res.workers == 2 and res.violation is None and res.crash is None
+    assert res.stats.examples >= 40 and res.stats.events["Schedule"] > 0
+    one = run_fuzz(spec, 20, workers=1, seed=3)
+    # the first of the two runs is the one-worker run with the same seed and count
+    assert res.stats.events["Schedule"] > one.stats.events["Schedule"]
+    again = merge(spec, [one, one])
+    assert again.stats.examples == 2 * one.stats.examples
+    assert again.stats.witness == one.stats.witness + one.stats.witness
+
+
+def test_parallel_runs_give_the_shortest_counterexample():
+    spec = FuzzSpec(kind="sliding", policy="optimistic", depth=2, external=False)
+    res = run_fuzz(spec, 100, workers=2, seed=1)
+    assert res.violation is not None and res.violation.prop == 1 and res.trace is not None
+    alone = [run_fuzz(spec, 50, workers=1, seed=s) for s in (1, 2)]
+    assert all(r.trace is not None for r in alone)
+    long, short = sorted(alone, key=lambda r: -len(r.trace.events))
+    if len(long.trace.events) > len(short.trace.events):
+        assert merge(spec, [long, short]).trace is short.trace
+    crashed = run_fuzz(spec, 4, workers=1, seed=1)
+    crashed.crash, crashed.violation = "boom", None
+    assert merge(spec, [short, crashed]).crash == "boom"  # a crash comes first
+
+
+@pytest.mark.vllm
+def test_a_vllm_worker_that_dies_is_exit_3_with_its_trace(tmp_path):
+    diff = _diff(tmp_path, "dies", "__import__('os')._exit(70)")
+    p = _fuzz(tmp_path, f"vllm@0.33.0+{diff}")
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "verdict: TARGET FAILED" in p.stdout and "exit status 70" in p.stdout, p.stdout
+    saved = sorted((tmp_path / "ce").glob("crash-*.json"))
+    assert saved, p.stdout
+    trace = json.loads(saved[0].read_text())
+    kinds = [e["type"] for e in trace["events"]]
+    assert kinds.count("Schedule") == 3 and kinds[-1] == "Schedule", kinds
+    # the saved trace replays to the same crash (a fresh worker: it was restarted)
+    r = subprocess.run([sys.executable, str(ROOT / "kvcheck"), "replay", str(saved[0]),
+                        "--target", f"vllm@0.33.0+{diff}", "--no-report"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=400)
+    assert r.returncode == 3 and "exit status 70" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.vllm
+def test_a_vllm_worker_that_hangs_is_stopped_exit_3(tmp_path):
+    diff = _diff(tmp_path, "hangs", "__import__('time').sleep(3600)")
+    p = _fuzz(tmp_path, f"vllm@0.33.0+{diff}", env={"KVCHECK_HANG_TIMEOUT": "5"})
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "no event finished for 5s" in p.stdout, p.stdout
+    saved = sorted((tmp_path / "ce").glob("crash-*.json"))
+    kinds = [e["type"] for e in json.loads(saved[0].read_text())["events"]]
+    assert kinds.count("Schedule") == 3 and kinds[-1] == "Schedule", kinds
+
+
+def test_gate_matrix_and_known_findings():
+    from cli.gate import classify, exit_status, gate_matrix, known_findings
+    from impl.target import Capabilities
+    from model.events import Trace
+    from properties.invariants import Violation
+    from properties.machine import FuzzResult, RunStats
+
+    caps = Capabilities(kinds=frozenset({"full", "mamba", "hybrid"}), fixed_policy="settled",
+                        pinned={"mamba": (("prefix_caching", True, ""), ("spec_tokens", 0, ""))})
+    rows, notes = gate_matrix("vllm@X", caps)
+    by = {}
+    for r in rows:
+        by.setdefault(r["kind"], []).append(r["knobs"])
+    assert len(by["full"]) == 36 and len(by["hybrid"]) == 24 and len(by["mamba"]) == 9
+    assert all(k["prefix_caching"] and not k["spec_tokens"] for k in by["mamba"])
+    assert not any(k["failed_loads"] and k["hazard"] == "ordered" for ks in by.values()
+                   for k in ks)
+    assert any("rswa" in n for n in notes)  # what the target lacks is said
+    findings = known_findings()
+    assert findings
+    for f in findings:
+        t = Trace.load(ROOT / "findings" / f"{f.name}.json")
+        if f.prop is None:
+            res = FuzzResult(None, RunStats(), crash=f"vLLM raised: {f.text}", trace=t)
+        else:
+            res = FuzzResult(None, RunStats(), violation=Violation(f.prop, f"... {f.text} ..."),
+                             trace=t)
+        assert classify(res, findings) == f.name
+    # the same message on a counterexample without the finding's events is new
+    sliding = next(f for f in findings if f.name == "failed-load-recompute-reads-null-sliding")
+    t = Trace.load(ROOT / "findings" / f"{sliding.name}.json")
+    t = Trace(t.config, [e for e in t.events if type(e).__name__ != "FailLoad"])
+    res = FuzzResult(None, RunStats(), violation=Violation(2, "maps to the NULL block"), trace=t)
+    assert classify(res, findings) is None
+    assert exit_status([{"exit": 0}, {"exit": 1}]) == 1
+    assert exit_status([{"exit": 1}, {"exit": 3}]) == 3 and exit_status([{"exit": 0}]) == 0
