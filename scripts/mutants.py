@@ -404,9 +404,9 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "full", *_CONSUMER), frozenset({7}), subject="reference"),
     Mutant(
         "ref-mamba-local-lazy", "model/policy.py",
-        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    if group.spec.holds_state:\n        return counts.computed - counts.spec\n"
         "    return counts.computed\n",
-        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    if group.spec.holds_state:\n        return counts.computed - counts.spec\n"
         "    return counts.computed - 1\n",
         "the mamba-local policy frees one token late on attention groups: safe, but no "
         "longer what settled does at depth 1",
