@@ -421,7 +421,13 @@ class Checker:
         g = self.cfg.groups[f.group]
         P = self.prompt_len.get(f.rid)
         hit = self._readers(f.rid, f.group, f.logical, f.block)
-        if hit is not None:
+        if not g.spec.reads_positions:  # a ring, the encoder's outputs: never freeable
+            during = f" while step {hit[0].step} reads it" if hit is not None else ""
+            self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, {g.label()}: read by "
+                       f"every step of the request) returned out-of-window{during} at settled "
+                       f"count {p}; nothing of {g.kind} is freeable before the request ends",
+                    step=hit[0].step if hit is not None else None, rid=f.rid, block=f.block)
+        elif hit is not None:
             pp, t = hit
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * self.B}, {(f.logical + 1) * self.B})) returned "
