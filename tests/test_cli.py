@@ -52,7 +52,9 @@ def test_missing_trace_file_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["fuzz", "--kind", "ring"],
+    ["fuzz", "--kind", "hisparse"],
+    ["fuzz", "--kind", "ring", "--prefix-caching", "on"],
+    ["fuzz", "--kind", "cross", "--attention-every", "5"],
     ["fuzz", "--policy", "hopeful"],
     ["fuzz", "--depth", "9"],
     ["fuzz", "--target", "tpu"],
