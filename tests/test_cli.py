@@ -33,7 +33,7 @@ def good_trace(tmp_path, **cfg):
 @pytest.mark.parametrize("content", [
     "{not json",
     '{"version": 1}',
-    '{"version": 1, "config": {"groups": [{"kind": "ring"}]}, "events": []}',
+    '{"version": 1, "config": {"groups": [{"kind": "hisparse"}]}, "events": []}',
     '[1, 2]',
 ])
 def test_malformed_trace_exit_2(tmp_path, content):
