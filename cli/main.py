@@ -16,6 +16,7 @@ from pathlib import Path
 
 from impl.target import TargetCrash, TargetError, Unsupported
 from model.events import KINDS, TraceError
+from model.kinds import KINDS as KIND_CLASSES
 from properties.database import DatabaseError
 from properties.replay import InvalidEvent
 
@@ -293,7 +294,15 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--spec-tokens {spec.spec_tokens}: must be 0-8")
     if spec.drafter != "ngram" and spec.spec_tokens == 0:
         raise UsageError(f"--drafter {spec.drafter} proposes drafts; --spec-tokens 0 contradicts")
-    if spec.drafter != "ngram" and spec.kind in ("hybrid", "mamba"):
+    kind = KIND_CLASSES.get(spec.kind)
+    if kind is not None and not kind.prefix_cacheable and spec.prefix_caching:
+        raise UsageError(f"--prefix-caching on: {spec.kind} takes no prefix hits (vLLM's "
+                         f"{kind.vllm_manager})")
+    if kind is not None and not kind.reads_positions and a.attention_every > 0:
+        raise UsageError(f"--attention-every: the attention replay reads positions' KV, and "
+                         f"{spec.kind}'s blocks hold none")
+    if spec.drafter != "ngram" and (spec.kind in ("hybrid", "mamba")
+                                    or (kind is not None and kind.beside)):
         raise UsageError(f"--drafter {spec.drafter}: single attention groups only (vLLM plans "
                          "the draft layer of a hybrid model as a group of its own, and Mamba's "
                          "align mode takes no drafts here)")

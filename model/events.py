@@ -48,7 +48,7 @@ LIMITS = {
 }
 
 # the kinds the fuzzer, the prover and the targets take (model/kinds.py has their classes)
-KINDS = ("full", "sliding", "chunked_local", "mamba", "rswa", "sink")
+KINDS = tuple(KIND_CLASSES)
 HAZARDS = ("ordered", "unordered")
 # how drafts are proposed when spec_tokens > 0: "ngram" (prompt lookup, no KV
 # of its own), "eagle" (a draft layer beside the model's: vLLM drops the last
@@ -420,6 +420,11 @@ class Config:
             why = g.spec.problem(gb or self.block_size)
             if why:
                 raise TraceError(f"config: {why}")
+        if self.prefix_caching is True:
+            for g in self.groups:
+                if not g.spec.prefix_cacheable:
+                    raise TraceError(f"config: {g.kind} takes no prefix hits (vLLM's "
+                                     f"{g.spec.vllm_manager}); prefix_caching must be off")
         reserved = sum(len(g.spec.reserved_blocks(self.block_size)) for g in self.groups)
         if reserved and self.num_blocks < reserved + 3:
             raise TraceError(f"config: num_blocks {self.num_blocks} leaves no room beside the "
@@ -455,14 +460,19 @@ def sliding(w: int, **kw: Any) -> Config:
 
 
 def config_for(kind: str, **kw: Any) -> Config:
-    """A config for a named kind (``hybrid`` is full + sliding(W))."""
+    """A config for a named kind (``hybrid`` is full + sliding(W); a kind that
+    models put beside another, ``ring`` and ``cross``, comes with it: full + ring)."""
     window = kw.pop("window", 16)
     chunk = kw.pop("chunk", 32)
     sink = kw.pop("sink", kw.get("block_size", 16))
     # a kind's parameter, by what it is called (model/kinds.py: Kind.param_name)
-    params = {"window": window, "chunk": chunk, "sink_len": sink}
+    encoder = kw.pop("encoder_len", 2 * kw.get("block_size", 16))
+    params = {"window": window, "chunk": chunk, "sink_len": sink, "encoder_len": encoder}
     if kind in KIND_CLASSES:
-        groups = (Group(kind, params.get(KIND_CLASSES[kind].param_name, 0)),)
+        k = KIND_CLASSES[kind]
+        groups = (Group(kind, params.get(k.param_name, 0)),)
+        if k.beside:
+            groups = (Group(k.beside), *groups)
     elif kind == "hybrid":
         groups = (Group("full"), Group("sliding", window))
     else:

@@ -48,8 +48,21 @@ class Kind:
     vllm_manager: ClassVar[str]  # the vLLM manager class it models
     vllm_spec: ClassVar[str]  # the vLLM KVCacheSpec class of its layers
     vllm_param: ClassVar[str] = ""  # the spec's keyword for the parameter
+    # keywords of the spec that differ from an attention layer's (the driver's
+    # one KV head of 8 dims, K and V)
+    vllm_spec_extra: ClassVar[dict[str, int]] = {}
     frees_early: ClassVar[bool] = True  # returns blocks before the request ends
     holds_state: ClassVar[bool] = False  # a block holds one state, not positions
+    # logical block i holds positions [i*B, (i+1)*B) of the request's own tokens
+    # (False: a ring or the encoder's outputs; no content rule, no attention replay)
+    reads_positions: ClassVar[bool] = True
+    prefix_cacheable: ClassVar[bool] = True  # vLLM's manager takes prefix hits
+    # the group models always put beside this kind (its config is that pair)
+    beside: ClassVar[str | None] = None
+    # vLLM turns chunked prefill off for its models: a prefill is one step
+    whole_prefill: ClassVar[bool] = False
+    # the model is an encoder-decoder and the parameter is the encoder's length
+    encoder: ClassVar[bool] = False
     # the fuzzer draws a window of up to this many blocks (kinds with a window)
     fuzz_window_blocks: ClassVar[int] = 4
     long_outputs: ClassVar[bool] = False  # what it frees lies among long outputs
@@ -139,6 +152,11 @@ class Kind:
     def reserved_blocks(self, block_size: int) -> range:
         """Physical blocks the kind holds for itself for the pool's lifetime."""
         return range(0)
+
+    def startup_share(self, block_size: int, budget: int) -> int | None:
+        """Blocks vLLM's startup check sets aside for one request where that is
+        not the admission rule's figure (None: it is)."""
+        return None
 
     def speculative_blocks(self, spec_tokens: int) -> int:
         """Blocks a request holds beyond its tokens' for drafts (vLLM's
@@ -390,8 +408,108 @@ class Sink(Kind):
         return range(1, 1 + self.param // block_size)
 
 
+class Ring(Kind):
+    """ring: vLLM's circular buffer (``CircularBufferSpec``), one block of ``B``
+    slots per request that a compressor's kernel writes at slot ``t % B`` (the
+    raw keys of the token group it has not closed yet) and every step reads.
+    The block is claimed at the request's first allocation and kept until the
+    request ends: nothing is freeable, and no prefix hit is taken. B = 4::
+
+        positions        [ 0  1  2  3 | 4  5  6  7 | 8  9 ]        t = 9
+        ring block       [ 8  9  6  7 ]   slot t % 4; slots 2, 3 still hold 6, 7
+        logical blocks   0 (the ring) and nothing else          freeable: none
+    """
+
+    name = "ring"
+    vllm_manager = "CircularBufferManager"
+    vllm_spec = "CircularBufferSpec"
+    # keys only, of twice the head: the page of the attention layer beside it,
+    # so vLLM's planner keeps B tokens a block in both groups
+    vllm_spec_extra = {"head_size": 16, "head_size_v": 0}
+    frees_early = False
+    reads_positions = False
+    prefix_cacheable = False
+    beside = "full"  # the compressor's ring lies beside the attention layers
+
+    def lo(self, t: int) -> int:
+        return max(0, t)  # what the ring holds is the kernel's; its one block is read
+
+    def span_blocks(self, a: int, e: int, block_size: int,
+                    prompt_len: int | None = None) -> range | list[int]:
+        return range(1) if e > a else range(0)
+
+    def skipped(self, n: int) -> int:
+        return 0
+
+    def live_bound(self, block_size: int, max_model_len: int, ahead: int) -> int:
+        return 1
+
+    def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
+        return 1
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return None
+
+
+class Cross(Kind):
+    """cross(E): encoder-decoder cross attention (``CrossAttentionSpec``). The
+    encoder runs once, when the request is first scheduled, and writes its
+    ``E`` outputs (Whisper: ``max_source_positions``) into ``cdiv(E, B)``
+    blocks that every decoder position reads and that are kept until the
+    request ends. Decoder positions index nothing here. E = 6, B = 4::
+
+        encoder outputs  [ e0 e1 e2 e3 | e4 e5 -- -- ]   blocks 0, 1: allocated at admission
+        decoder t        reads e0 .. e5, for every t      freeable: none
+    """
+
+    name = "cross"
+    param_name = "encoder_len"
+    vllm_manager = "CrossAttentionManager"
+    vllm_spec = "CrossAttentionSpec"
+    frees_early = False
+    reads_positions = False
+    prefix_cacheable = False
+    beside = "full"  # the decoder's self-attention
+    whole_prefill = True  # encoder-decoder models: no chunked prefill in vLLM
+    encoder = True
+
+    def label(self) -> str:
+        return f"cross(E={self.param})"
+
+    def lo(self, t: int) -> int:
+        return 0
+
+    def encoder_blocks(self, block_size: int) -> int:
+        return cdiv(self.param, block_size)
+
+    def span_blocks(self, a: int, e: int, block_size: int,
+                    prompt_len: int | None = None) -> range | list[int]:
+        return range(self.encoder_blocks(block_size)) if e > a else range(0)
+
+    def skipped(self, n: int) -> int:
+        return 0
+
+    def live_bound(self, block_size: int, max_model_len: int, ahead: int) -> int:
+        return self.encoder_blocks(block_size)
+
+    def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
+        return self.encoder_blocks(block_size)
+
+    def startup_share(self, block_size: int, budget: int) -> int | None:
+        # CrossAttentionSpec.max_memory_usage_bytes: the encoder budget
+        # (max_num_encoder_input_tokens, at least the batch budget), not E
+        return cdiv(max(budget, self.param), block_size)
+
+    def kernel_window(self) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
+    def fuzz_param(cls, window, chunk, block_size, draw_int) -> int:
+        return draw_int(1, 3 * block_size)
+
+
 KINDS: dict[str, type[Kind]] = {
-    k.name: k for k in (Full, Sliding, ChunkedLocal, Mamba, RSWA, Sink)
+    k.name: k for k in (Full, Sliding, ChunkedLocal, Mamba, RSWA, Sink, Ring, Cross)
 }
 
 

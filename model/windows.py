@@ -99,12 +99,17 @@ def startup_blocks(cfg: Config) -> int:
     admission cap per group (vLLM's sliding cap may pass the whole request by
     one block; a kind without a cap admits only a request whose whole
     sequence fits, as vLLM's gate does), plus the blocks a kind holds for
-    drafts or reserves for itself. A config at or above it is one the engine
+    drafts or reserves for itself; or a kind's own share where vLLM's check
+    sets aside another figure (:meth:`Kind.startup_share`: cross attention's
+    encoder budget). A config at or above it is one the engine
     builds; the config strategy draws pools from here up."""
     L = cfg.max_model_len
     ahead = cfg.depth * cfg.max_num_batched_tokens
 
     def need(g: Group, B: int) -> int:
+        share = g.spec.startup_share(B, cfg.max_num_batched_tokens)
+        if share is not None:
+            return share
         cap = g.spec.admission_cap(B, L, ahead)
         return (max(live_bound(g, B, L, ahead), blocks_for(L, B) if cap is None else cap)
                 + g.spec.speculative_blocks(cfg.spec_tokens)

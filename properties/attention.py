@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from impl.target import Target, TargetCrash
+from impl.target import Target, TargetCrash, Unsupported
 from model.events import AddRequest, Config, Trace
 from model.observations import (
     NULL,
@@ -575,6 +575,11 @@ def replay_attention(trace: Trace, target_spec: str | Target = "reference",
     attention on ``device`` (default: CUDA when present, else CPU)."""
     from properties.replay import replay
 
+    for g in trace.config.groups:
+        if not g.spec.reads_positions:
+            raise Unsupported(f"the attention replay reads positions' KV; {g.label()}'s "
+                              "blocks hold none (a ring, or the encoder's outputs): "
+                              "properties 1-5 and 7 judge it")
     t0 = time.perf_counter()
     rr = replay(trace, target_spec, stop_at_first=False)
     if rr.crash:

@@ -45,6 +45,8 @@ def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved
         B = cfg.group_block_size(gi)
         n = -(-(req.prompt_len + req.max_new_tokens + spec) // B)
         n += g.spec.speculative_blocks(spec)
+        if not g.spec.reads_positions:  # a ring, the encoder's outputs: a fixed count
+            n = g.spec.live_bound(B, cfg.max_model_len, 0)
         if gi < len(bound):
             n = min(n, bound[gi] + spec)
         need += n

@@ -79,6 +79,9 @@ WITNESSES = {
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
     "drained": "an example ended with every request run to completion (property 7)",
     "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
+    "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
+                      "first block with another of its steps in flight (what a window "
+                      "manager would have freed there)",
 }
 
 
@@ -170,6 +173,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("rollback_near_free")
     if cfg.depth >= 2:
         out.add("preempt_in_flight")
+    if cfg.depth >= 2 and any(not g.spec.reads_positions for g in cfg.groups):
+        out.add("kept_in_flight")
     if cfg.prefix_caching:
         out.add("prefix_hit")
         if max(cfg.block_sizes) > cfg.hash_block_size:
@@ -217,7 +222,10 @@ class Checker:
         self.prompt_len: dict[str, int] = {}
         self.variant: dict[str, int] = {}  # prompt variants other than 0
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups)
-                               if not g.spec.holds_state)
+                               if not g.spec.holds_state and g.spec.reads_positions)
+        # groups read whole by every step and held to the request's end (ring, cross)
+        self._held_groups = tuple(gi for gi, g in enumerate(cfg.groups)
+                                  if not g.spec.reads_positions)
         # EAGLE's draft layer shares group 0; its KV at a prompt position q is
         # built from q's hidden state and token q + 1, so it is valid only for
         # requests that also agree on the next token (what vLLM's hit drop and
@@ -426,7 +434,13 @@ class Checker:
         B = self.Bs[f.group]
         P = self.prompt_len.get(f.rid)
         hit = self._readers(f.rid, f.group, f.logical, f.block)
-        if hit is not None:
+        if not g.spec.reads_positions:  # a ring, the encoder's outputs: never freeable
+            during = f" while step {hit[0].step} reads it" if hit is not None else ""
+            self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, {g.label()}: read by "
+                       f"every step of the request) returned out-of-window{during} at settled "
+                       f"count {p}; nothing of {g.kind} is freeable before the request ends",
+                    step=hit[0].step if hit is not None else None, rid=f.rid, block=f.block)
+        elif hit is not None:
             pp, t = hit
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
@@ -482,6 +496,9 @@ class Checker:
             pp = _Pending(s.step, rs)
             self._check_reads(pp, "scheduled")
             P = self.prompt_len.get(rs.rid)
+            if (self._held_groups and rs.start >= self.B
+                    and self._live_pending(rs.rid)):
+                self.witness["kept_in_flight"] += 1
             for gi, g in enumerate(self.cfg.groups):
                 n = len(freeable_blocks(g, rs.end, self.Bs[gi], P))
                 if n > req.last_freeable.get(gi, 0):
@@ -748,7 +765,8 @@ class Checker:
         out = {}
         for (hr, group, lg), blk in self.holder.items():
             B = self.Bs[group]
-            if hr == rid and blk != NULL and (lg + 1) * B > lo:
+            if (hr == rid and blk != NULL and (lg + 1) * B > lo
+                    and group not in self._held_groups):
                 out[blk] = self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
         return out
 
@@ -761,6 +779,8 @@ class Checker:
         a = rs.start
         P = self.prompt_len.get(rs.rid)
         for g, table, B in zip(self.cfg.groups, rs.tables, self.Bs, strict=False):
+            if not g.spec.reads_positions:
+                continue
             for x0, x1 in cached_reads(g, a, P):
                 for lg in range(x0 // B, min(-(-x1 // B), len(table))):
                     r = bad.get(table[lg])

@@ -152,6 +152,8 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
 
         if kind is not None:
             groups = (Group(spec.kind, param(kind)),)
+            if kind.beside:  # a ring or cross attention lies beside attention layers
+                groups = (Group(kind.beside), *groups)
         elif spec.kind == "hybrid":
             # full plus one or two local groups (Gemma-, Llama-4-style models),
             # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
@@ -174,6 +176,10 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
         # the longest request add_request draws (prompt 6B, outputs 2B or 5B)
         max_len = (11 if kind is not None and kind.long_outputs else 8) * B
+        if spec.prefix_caching is None and not all(g.spec.prefix_cacheable for g in groups):
+            prefix = False
+        if any(g.spec.whole_prefill for g in groups):
+            budget = max(budget, max_len)  # vLLM runs the model without chunked prefill
         cfg = Config(groups=groups, block_size=B, num_blocks=2,
                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,

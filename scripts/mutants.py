@@ -220,6 +220,44 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "rswa", "--block-size", "4", "--spec-tokens", "0", *_ASYNC),
         frozenset({1, 2})),
     Mutant(
+        "ring-freed-as-window", CORE + "single_type_kv_cache_manager.py",
+        "    ) -> None:\n        return\n\n    def get_num_skipped_tokens(self, "
+        "num_computed_tokens: int) -> int:\n        return 0\n\n\n"
+        "class ChunkedLocalAttentionManager",
+        "    ) -> None:\n        super().remove_skipped_blocks(request_id, "
+        "processed_computed_tokens)\n\n    def get_num_skipped_tokens(self, "
+        "num_computed_tokens: int) -> int:\n        return num_computed_tokens\n\n\n"
+        "class ChunkedLocalAttentionManager",
+        "the circular buffer's manager frees its ring like a window of one token once the "
+        "settled count passes its block",
+        ("--kind", "ring", "--hazard", "ordered", *_ASYNC), frozenset({1, 2})),
+    Mutant(
+        "ring-claims-every-step", CORE + "single_type_kv_cache_manager.py",
+        "        req_blocks = self.req_to_blocks[request_id]\n        if req_blocks:\n"
+        "            return []\n        new_blocks = self.block_pool.get_new_blocks(1)\n",
+        "        req_blocks = self.req_to_blocks[request_id]\n        if len(req_blocks) > 1:\n"
+        "            return []\n        new_blocks = self.block_pool.get_new_blocks(1)\n",
+        "the circular buffer claims a second ring block for a request that holds one",
+        ("--kind", "ring", "--hazard", "ordered", *_ASYNC), frozenset({5})),
+    Mutant(
+        "cross-freed-as-window", CORE + "single_type_kv_cache_manager.py",
+        '    """Manager for cross-attention KV cache in encoder-decoder models."""\n',
+        '    """Manager for cross-attention KV cache in encoder-decoder models."""\n\n'
+        "    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:\n"
+        "        return num_computed_tokens\n",
+        "cross attention takes the decoder's settled tokens as skipped and frees encoder "
+        "blocks that every later position reads",
+        ("--kind", "cross", "--hazard", "ordered", *_ASYNC), frozenset({1, 2})),
+    Mutant(
+        "cross-blocks-leak", CORE + "single_type_kv_cache_manager.py",
+        '    """Manager for cross-attention KV cache in encoder-decoder models."""\n',
+        '    """Manager for cross-attention KV cache in encoder-decoder models."""\n\n'
+        "    def free(self, request_id: str) -> None:\n"
+        "        self.pop_blocks_for_free(request_id)\n",
+        "cross attention forgets a finished request's encoder blocks without returning them "
+        "to the pool",
+        ("--kind", "cross", "--hazard", "ordered", *_ASYNC), frozenset({3})),
+    Mutant(
         "skipped-blocks-round-up", CORE + "single_type_kv_cache_manager.py",
         "        num_skipped_blocks = num_skipped_tokens // self.block_size\n"
         "        # `num_skipped_tokens` may include",
@@ -426,14 +464,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "full", *_CONSUMER), frozenset({7}), subject="reference"),
     Mutant(
         "ref-mamba-local-lazy", "model/policy.py",
-        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    if group.spec.holds_state:\n        return counts.computed - counts.spec\n"
         "    return counts.computed\n",
-        "    if group.kind == \"mamba\":\n        return counts.computed - counts.spec\n"
+        "    if group.spec.holds_state:\n        return counts.computed - counts.spec\n"
         "    return counts.computed - 1\n",
         "the mamba-local policy frees one token late on attention groups: safe, but no "
         "longer what settled does at depth 1",
         ("--kind", "sliding", "--policy", "mamba-local", "--depth", "1"), frozenset({6}),
         subject="reference"),
+    Mutant(
+        "ref-ring-freed-as-window", REF + "managers.py",
+        "    def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:\n"
+        "        return []\n",
+        "    def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:\n"
+        "        return self._remove_range(rid, 0, basis // self.B)\n",
+        "the reference frees a ring (and encoder outputs) like a window once the settled "
+        "count passes a block",
+        ("--kind", "ring", *_ASYNC), frozenset({1, 2}), subject="reference"),
+    Mutant(
+        "ref-cross-one-block-short", REF + "managers.py",
+        "        return cdiv(self.group.param, self.B)\n",
+        "        return cdiv(self.group.param - 1, self.B)\n",
+        "the reference allocates the encoder's outputs one token short: a block short "
+        "where E % B == 1",
+        ("--kind", "cross", *_ASYNC), frozenset({2}), subject="reference"),
     Mutant(
         "ref-failed-load-resumes-late", REF + "scheduler.py",
         "        r.computed = min(r.computed, j * B)\n",

@@ -33,7 +33,7 @@ def good_trace(tmp_path, **cfg):
 @pytest.mark.parametrize("content", [
     "{not json",
     '{"version": 1}',
-    '{"version": 1, "config": {"groups": [{"kind": "ring"}]}, "events": []}',
+    '{"version": 1, "config": {"groups": [{"kind": "hisparse"}]}, "events": []}',
     '[1, 2]',
 ])
 def test_malformed_trace_exit_2(tmp_path, content):
@@ -52,7 +52,9 @@ def test_missing_trace_file_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["fuzz", "--kind", "ring"],
+    ["fuzz", "--kind", "hisparse"],
+    ["fuzz", "--kind", "ring", "--prefix-caching", "on"],
+    ["fuzz", "--kind", "cross", "--attention-every", "5"],
     ["fuzz", "--policy", "hopeful"],
     ["fuzz", "--depth", "9"],
     ["fuzz", "--target", "tpu"],

@@ -447,7 +447,7 @@ def test_cli_on_malformed_traces_keeps_the_contract(data, cmd, report, policy, t
 
 @settings(max_examples=20, deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
-@given(kind=st.sampled_from(["sliding", "chunked_local", "mamba", "hybrid", "ring", ""]),
+@given(kind=st.sampled_from(["sliding", "chunked_local", "mamba", "hybrid", "hisparse", ""]),
        policy=st.sampled_from([None, "optimistic", "", "hopeful"]),
        nums=st.fixed_dictionaries({}, optional={
            "--depth": st.sampled_from([1, 2, 4, 0, 6]),

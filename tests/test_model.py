@@ -19,7 +19,15 @@ from model.events import (
     config_for,
 )
 from model.policy import Counts, basis
-from model.windows import freeable, live_bound, read_blocks, skipped, window
+from model.windows import (
+    freeable,
+    freeable_blocks,
+    live_bound,
+    read_blocks,
+    skipped,
+    startup_blocks,
+    window,
+)
 
 
 def _trace(**kw):
@@ -57,7 +65,7 @@ def test_save_never_overwrites(tmp_path):
     (lambda d: d["events"].append({"type": "Preempt", "id": "nobody"}), "never added"),
     (lambda d: d["events"].insert(0, {"type": "AddRequest", "id": "r0", "prompt_len": 5,
                                       "max_new_tokens": 1}), "added twice"),
-    (lambda d: d["config"]["groups"][0].update(kind="ring"), "unknown kind"),
+    (lambda d: d["config"]["groups"][0].update(kind="hisparse"), "unknown kind"),
     (lambda d: d["config"].update(depth=9), "depth"),
     (lambda d: d["config"].update(policy="hopeful"), "unknown policy"),
     (lambda d: d["config"].update(block_size=0), "block_size"),
@@ -159,3 +167,24 @@ def test_live_bound_grows_with_tokens_ahead():
     g = Group("sliding", 16)
     assert live_bound(g, 16, 4096, 64) < live_bound(g, 16, 4096, 128)
     assert live_bound(Group("full"), 16, 100, 64) == 7
+
+
+@pytest.mark.parametrize("kind,param,blocks", [("ring", 0, 1), ("cross", 40, 3)])
+def test_ring_and_cross_free_nothing_and_read_all_their_blocks(kind, param, blocks):
+    """A ring (one block) and cross attention (cdiv(E, B) blocks of encoder
+    outputs) hold no positions: every step reads all their blocks, nothing is
+    ever freeable, and a request holds exactly that many blocks."""
+    g = Group(kind, param)
+    for n in range(0, 300, 7):
+        assert list(freeable_blocks(g, n, 16, 10)) == []
+        assert list(read_blocks(g, n, n + 3, 16, 10)) == list(range(blocks))
+    assert live_bound(g, 16, 4096, 512) == blocks
+    assert g.spec.beside == "full" and not g.spec.frees_early
+
+
+def test_cross_attention_takes_the_encoder_budget_at_startup():
+    """vLLM's startup check sets aside cdiv(max(budget, E), B) blocks for cross
+    attention (its encoder budget), beside full attention's cdiv(L, B)."""
+    cfg = config_for("cross", block_size=16, max_model_len=128, max_num_batched_tokens=128,
+                     encoder_len=40, num_blocks=40)
+    assert startup_blocks(cfg) == 1 + 8 + 8

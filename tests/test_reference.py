@@ -30,6 +30,7 @@ from model.events import (
     Process,
     Schedule,
     Trace,
+    TraceError,
     config_for,
 )
 from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
@@ -576,3 +577,35 @@ def test_a_preempted_requests_output_that_read_a_failed_load_is_dropped():
     assert rr.first is None, rr.first
     (po,) = [it for it in rr.rows[5].obs.items if isinstance(it, ProcessObs)]
     assert "r2" in po.discarded and "r2" not in dict(po.accepted)
+
+
+@pytest.mark.parametrize("kind,held", [("ring", 1), ("cross", 3)])
+def test_ring_and_cross_hold_their_blocks_until_the_request_ends(kind, held):
+    """The reference's circular buffer holds one block, its cross attention
+    cdiv(E, B) (E = 40, B = 16), from the first schedule to the request's end,
+    however far decoding runs; the end returns them; a preemption takes them
+    and the restart claims them again."""
+    cfg = config_for(kind, block_size=16, depth=2, max_num_batched_tokens=128,
+                     max_model_len=128, num_blocks=40, encoder_len=40)
+    evs = [AddRequest("r0", 20, 60), Schedule()]
+    for _ in range(35):
+        evs += [Schedule(), Process()]
+    t, obs = run(cfg, evs)
+    steps = [s for s in items(obs, StepObs)]
+    first = steps[0].reqs[0].tables[1]
+    assert len(first) == held and NULL not in first
+    assert steps[-1].reqs[0].start > 48
+    assert all(s.reqs[0].tables[1] == first for s in steps)
+    assert not [f for f in items(obs, FreeObs) if f.group == 1]
+    end = [t.apply(Process()), t.apply(Preempt("r0")), t.apply(Schedule())]
+    assert sorted(f.block for f in items(end, FreeObs) if f.group == 1) == sorted(first)
+    again = [s for s in items(end, StepObs)][-1].reqs[0]
+    assert again.start == 0 and len(again.tables[1]) == held
+    done = [t.apply(Finish("r0")), t.apply(Process())]
+    assert done[-1].counters.free_blocks == cfg.num_blocks - 1
+
+
+def test_ring_and_cross_take_no_prefix_hits():
+    for kind in ("ring", "cross"):
+        with pytest.raises(TraceError, match="takes no prefix hits"):
+            config_for(kind, block_size=16, prefix_caching=True)

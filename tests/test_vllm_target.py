@@ -449,3 +449,40 @@ def test_the_reference_refuses_an_eagle_drafter():
     ref = make_target("reference")
     with pytest.raises(Unsupported, match="drafter eagle"):
         ref.reset(config_for("sliding", spec_tokens=2, drafter="eagle"))
+
+
+# ------------------------------------------- managers that never free early
+
+
+@pytest.mark.parametrize("kind,held", [("ring", 1), ("cross", 3)])
+def test_ring_and_cross_hold_their_blocks_until_the_request_ends(kind, held):
+    """vLLM's CircularBufferManager claims one ring block, its
+    CrossAttentionManager cdiv(E, B) blocks for the encoder's outputs (E = 40,
+    B = 16), at the first schedule; decoding far past them frees none, and
+    the request's end returns them all."""
+    cfg = config_for(kind, block_size=16, depth=2, max_num_batched_tokens=128,
+                     max_model_len=128, num_blocks=40, encoder_len=40)
+    evs = [AddRequest("r0", 20, 60), Schedule()]
+    for _ in range(35):
+        evs += [Schedule(), Process()]
+    obs = run(FIXED, cfg, evs)
+    steps = [step_of(o) for o in obs if items(o, StepObs)]
+    first = steps[0].reqs[0].tables[1]
+    assert len(first) == held and NULL not in first
+    assert steps[-1].reqs[0].start > 48  # well past three blocks of tokens
+    assert all(s.reqs[0].tables[1] == first for s in steps)
+    assert not [f for o in obs for f in items(o, FreeObs) if f.group == 1]
+    t = target(FIXED)
+    end = t.apply(Finish("r0"))
+    end = t.apply(Process())
+    assert end.counters.free_blocks == cfg.num_blocks - 1
+
+
+def test_cross_attention_configs_vllm_does_not_build_are_refused():
+    t = target(FIXED)
+    with pytest.raises(Unsupported, match="without KV connectors"):
+        t.reset(config_for("cross", block_size=16, depth=2, hazard="unordered",
+                           max_num_batched_tokens=128, max_model_len=128, num_blocks=40))
+    with pytest.raises(Unsupported, match="max_num_batched_tokens"):
+        t.reset(config_for("cross", block_size=16, depth=2, max_num_batched_tokens=64,
+                           max_model_len=128, num_blocks=40))

@@ -385,6 +385,81 @@ class MambaManager(SingleTypeManager):
         return [], 0
 
 
+class _HeldToTheEnd(SingleTypeManager):
+    """A group whose blocks hold no positions of the request's tokens and stay
+    until the request ends: ``need`` blocks, claimed at the first allocation;
+    nothing skipped or freed early, no prefix hit, nothing cached; a failed
+    load leaves them (what they hold is not the load's positions)."""
+
+    def need(self) -> int:
+        raise NotImplementedError
+
+    def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
+        return [], 0
+
+    def remove_skipped_blocks(self, rid: str, basis: int) -> list[Change]:
+        return []
+
+    def get_num_blocks_to_allocate(self, rid: str, num_tokens: int) -> int:
+        return max(0, self.need() - len(self.tables.get(rid, ())))
+
+    def allocate_new_blocks(self, rid: str, num_tokens: int) -> list[Change]:
+        table = self.tables.setdefault(rid, [])
+        n = self.need() - len(table)
+        if n <= 0:
+            return []
+        first = len(table)
+        new = self.pool.get_new_blocks(n)
+        table.extend(new)
+        return list(enumerate(new, first))
+
+    def admission_cost(self, hit: list[int], computed: int, num_tokens: int,
+                       capped: bool = False) -> int:
+        return self.need()
+
+    def add_computed_blocks(self, rid: str, hit: list[int], computed: int) -> list[Change]:
+        self.tables[rid] = []
+        self.num_cached[rid] = 0
+        return []
+
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
+        return
+
+    def truncate(self, rid: str, keep: int) -> list[Change]:
+        return []
+
+    def window_present(self, rid: str, n: int) -> bool:
+        return True
+
+    def read_slots(self, rid: str, n: int) -> range:
+        return range(0)
+
+
+class CircularBufferManager(_HeldToTheEnd):
+    """ring: one block per request, written at slot ``t % B`` by the kernel
+    (model/kinds.py draws it), claimed at the first allocation and kept until
+    the request ends, as vLLM's ``CircularBufferManager``::
+
+        positions   [ 0  1  2  3 | 4  5  6  7 | 8  9 ]     B = 4
+        table       [ ring ]                              always one slot
+    """
+
+    def need(self) -> int:
+        return 1
+
+
+class CrossAttentionManager(_HeldToTheEnd):
+    """cross(E): the encoder's ``E`` outputs in ``cdiv(E, B)`` blocks, allocated
+    when the request is first scheduled (the encoder runs with it) and kept
+    until it ends, as vLLM's ``CrossAttentionManager``::
+
+        table       [ e0..e3 | e4 e5 ]     E = 6, B = 4: every decoder step reads both
+    """
+
+    def need(self) -> int:
+        return cdiv(self.group.param, self.B)
+
+
 MANAGERS: dict[str, type[SingleTypeManager]] = {
     "full": FullAttentionManager,
     "sliding": SlidingWindowManager,
@@ -392,6 +467,8 @@ MANAGERS: dict[str, type[SingleTypeManager]] = {
     "mamba": MambaManager,
     "rswa": RSWAManager,
     "sink": SinkFullAttentionManager,
+    "ring": CircularBufferManager,
+    "cross": CrossAttentionManager,
 }
 
 

@@ -134,18 +134,32 @@ def make_sampling_params(SamplingParams: type, max_tokens: int) -> Any:
 
 
 def make_request(Request: type, rid: str, prompt: list[int], params: Any,
-                 block_hasher: Any, arrival: float) -> Any:
+                 block_hasher: Any, arrival: float, mm_features: Any = None) -> Any:
     """``Request(...)`` from the signature the release has (all: request_id,
     prompt_token_ids, sampling_params, pooling_params, arrival_time,
-    block_hasher; older lines also take ``eos_token_id``)."""
+    block_hasher; older lines also take ``eos_token_id``); ``mm_features``:
+    an encoder-decoder request's encoder input (:func:`encoder_input`)."""
     kw: dict[str, Any] = dict(
         request_id=rid, prompt_token_ids=prompt, sampling_params=params,
         pooling_params=None, arrival_time=arrival, block_hasher=block_hasher,
     )
+    if mm_features is not None:
+        kw["mm_features"] = mm_features
     names = _params(Request.__init__)
     if "eos_token_id" in names:
         kw["eos_token_id"] = None
     return Request(**{k: v for k, v in kw.items() if k in names})
+
+
+def encoder_input(rid: str, length: int) -> list[Any]:
+    """The encoder input of an encoder-decoder request as the engine's input
+    processor hands it to the scheduler: one audio item at offset 0 whose
+    encoder emits ``length`` outputs (vLLM's Whisper: ``max_source_positions``),
+    its data already with the worker (``data=None``, as for a cached item)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="audio", identifier=f"{rid}-audio",
+                                  mm_position=PlaceholderRange(offset=0, length=length))]
 
 
 def make_block_hasher(kv_cache_utils: Any, hashing: Any, algo: str, block_size: int,

@@ -31,8 +31,11 @@ instrumentation never guesses.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import shutil
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,6 +77,10 @@ MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
 EAGLE_DIR = Path(__file__).resolve().parent / "tiny-eagle"
 DRAFT_LAYER = "draft"  # the EAGLE draft layer's name in the layer specs
 MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
+# an encoder-decoder model (a tiny Whisper: config, a byte-level tokenizer and a
+# feature extractor, no weights), for cross attention: its max_source_positions,
+# the encoder's output length, is set to each config's E in a copy
+WHISPER_DIR = Path(__file__).resolve().parent / "tiny-whisper"
 
 class ConfigUnsupported(Exception):
     """The config cannot run on this vLLM (one line)."""
@@ -152,6 +159,7 @@ class Driver:
         self.sched: Any = None
         self._depth_modes: dict[int, tuple[type, bool, int]] = {}
         self._vllm_configs: dict[tuple, Any] = {}
+        self._whisper_dirs: dict[int, Path] = {}
 
     def warm_up(self) -> None:
         """Build and drop one scheduler: the first one in a process pays for
@@ -197,13 +205,20 @@ class Driver:
                           probe: bool = False) -> Any:
         c = self.c
         max_len = cfg.max_model_len if not probe else 512
-        model = c["ModelConfig"](model=str(MODEL_DIR), skip_tokenizer_init=True,
-                                 max_model_len=max_len)
+        enc = None if probe else _encoder_len(cfg)
+        if enc is None:
+            model = c["ModelConfig"](model=str(MODEL_DIR), skip_tokenizer_init=True,
+                                     max_model_len=max_len)
+        else:
+            # the processor needs the tokenizer; blake3 (the default multimodal
+            # hasher) is not installed and hashes nothing the scheduler reads
+            model = c["ModelConfig"](model=str(self._whisper_dir(enc)), max_model_len=max_len,
+                                     mm_hasher_algorithm="sha256")
         sched = c["SchedulerConfig"](
             max_num_batched_tokens=cfg.max_num_batched_tokens if not probe else 64,
             max_num_seqs=cfg.max_num_seqs if not probe else 8,
             max_model_len=max_len,
-            is_encoder_decoder=False,
+            is_encoder_decoder=enc is not None,
             enable_chunked_prefill=True,
             async_scheduling=async_,
         )
@@ -225,6 +240,9 @@ class Driver:
                 method="ngram_gpu", num_speculative_tokens=cfg.spec_tokens,
                 prompt_lookup_min=1, prompt_lookup_max=3,
             )
+        if enc is not None and cfg.hazard == "unordered":
+            raise ConfigUnsupported(f"vllm {self.version} runs encoder-decoder models without "
+                                    "KV connectors (hazard=unordered needs one)")
         if not probe and cfg.hazard == "unordered":
             kw["kv_transfer_config"] = c["KVTransferConfig"](
                 kv_connector=self.connector_mod.NAME, kv_role="kv_consumer",
@@ -249,6 +267,21 @@ class Driver:
         ratios = [b // cfg.block_size for b in cfg.block_sizes]
         return 8 * math.lcm(*ratios) // ratios[gi]
 
+    def _whisper_dir(self, encoder_len: int) -> Path:
+        """A copy of the tiny Whisper whose encoder emits ``encoder_len`` outputs
+        (``max_source_positions``), in a temporary folder of this process."""
+        d = self._whisper_dirs.get(encoder_len)
+        if d is None:
+            d = Path(tempfile.mkdtemp(prefix=f"kvcheck-whisper-{encoder_len}-"))
+            for f in WHISPER_DIR.iterdir():
+                if f.name != "config.json":
+                    shutil.copy(f, d / f.name)
+            conf = json.loads((WHISPER_DIR / "config.json").read_text())
+            conf["max_source_positions"] = encoder_len
+            (d / "config.json").write_text(json.dumps(conf))
+            self._whisper_dirs[encoder_len] = d
+        return d
+
     def _group_spec(self, g: Group, cfg: Config, gi: int = 0) -> Any:
         """The vLLM layer spec of group ``g`` (group ``gi``): its kind's
         ``vllm_spec`` class, the parameter under ``vllm_param``."""
@@ -260,7 +293,8 @@ class Driver:
             raise ConfigUnsupported(f"vllm {self.version} has no {kind.name} layers "
                                     f"({kind.vllm_spec})")
         if not kind.holds_state:
-            return spec_cls(**common, **({kind.vllm_param: g.param} if kind.vllm_param else {}))
+            return spec_cls(**{**common, **kind.vllm_spec_extra},
+                            **({kind.vllm_param: g.param} if kind.vllm_param else {}))
         # a recurrent state (Mamba)
         # vLLM builds block-sized Mamba states only with prefix caching
         # ("align" mode: a state per block boundary, the last one kept);
@@ -354,7 +388,8 @@ class Driver:
         cls, async_, pp = self._depth_mode(cfg.depth)
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
-               cfg.hazard, any(g.spec.holds_state for g in cfg.groups), cfg.drafter)
+               cfg.hazard, any(g.spec.holds_state for g in cfg.groups), cfg.drafter,
+               _encoder_len(cfg))
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:
@@ -401,9 +436,14 @@ class Driver:
             self.block_hasher = compat.make_block_hasher(
                 self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
                 hash_block_size, getattr(vc, "num_hash_lookahead_tokens", 0))
+        # a group whose blocks hold no positions (a ring, the encoder's outputs)
+        # is sized by its spec's own per-request share of the pool
         self.bound = tuple(
-            compat.admission_cap(m) or -(-cfg.max_model_len // B)
-            for m, B in zip(self.mgrs, cfg.block_sizes, strict=True)
+            compat.admission_cap(m)
+            or (m.kv_cache_spec.max_memory_usage_bytes(vc) // m.kv_cache_spec.page_size_bytes
+                if not g.spec.reads_positions else None)
+            or -(-cfg.max_model_len // B)
+            for m, g, B in zip(self.mgrs, cfg.groups, cfg.block_sizes, strict=True)
         )
         # observation state
         self.items: list[Any] = []
@@ -664,10 +704,12 @@ class Driver:
                 raise EventRejected("external_tokens must be in (0, prompt_len)")
         prompt = [prompt_token(t, ev.variant) for t in range(ev.prompt_len)]
         self.arrival += 1
+        enc = _encoder_len(self.cfg)
         req = compat.make_request(
             self.Request, ev.id, prompt,
             compat.make_sampling_params(self.SamplingParams, ev.max_new_tokens),
-            self.block_hasher, float(self.arrival))
+            self.block_hasher, float(self.arrival),
+            None if enc is None else compat.encoder_input(ev.id, enc))
         if ev.external_tokens:
             self.connector.offers[ev.id] = ev.external_tokens
         self.reqs[ev.id] = req
@@ -861,6 +903,11 @@ class Driver:
 
 _block_id = attrgetter("block_id")
 _BROKEN = (TypeError, AttributeError, NameError)  # bugs, where a refusal is a ValueError
+
+
+def _encoder_len(cfg: Config) -> int | None:
+    """The encoder's output length of an encoder-decoder config (None: decoder only)."""
+    return next((g.param for g in cfg.groups if g.spec.encoder), None)
 
 
 def _one_line(e: BaseException) -> str:
