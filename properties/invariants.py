@@ -79,6 +79,8 @@ WITNESSES = {
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
     "drained": "an example ended with every request run to completion (property 7)",
     "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
+    "reprefill_reach": "a prefill chunk whose drafter computes the last chunk's positions again "
+                       "and so reads a block below its own window (retained tokens)",
 }
 
 
@@ -108,10 +110,17 @@ class _Pending:
     shift: int = 0  # positions it computes moved down by rejections of earlier steps
     dead: bool = False  # output will be discarded (preempted / failed / ended)
     tainted: str = ""  # what it read that a failed load left without KV (output must not count)
+    lead: int = 0  # positions below its start it computes again (Kind.reprefill)
 
     @property
     def start(self) -> int:
         return self.rs.start - self.shift
+
+    @property
+    def reads_from(self) -> int:
+        """The lowest position whose window it reads: its start, or the start
+        of the positions a lagging drafter computes again."""
+        return self.rs.start - self.shift - self.lead
 
     @property
     def end(self) -> int:
@@ -127,6 +136,7 @@ class _Req:
     last_freeable: dict[int, int] = field(default_factory=dict)
     stopped: bool = False  # preempted / waiting since the last time it ran
     loaded: tuple[int, int] | None = None  # positions its last connector load covers
+    chunk: tuple[int, int] | None = None  # its last scheduled step's positions, while running
 
 
 def twin_config(cfg: Config) -> Config | None:
@@ -174,6 +184,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("prefix_hit")
         if max(cfg.block_sizes) > cfg.hash_block_size:
             out.add("fine_grained_hit")
+    if any(g.spec.reprefill() for g in cfg.groups):
+        out.add("reprefill_reach")
     return out
 
 
@@ -223,7 +235,10 @@ class Checker:
         # requests that also agree on the next token (what vLLM's hit drop and
         # lookahead hashes are for). Past the prompt, tokens are the request's
         # own outputs and drafts: keyed by position as in every other group.
-        self._lookahead_group = 0 if cfg.drafter == "eagle" else None
+        self._lookahead_group = 0 if cfg.drafter in ("eagle", "mtp") else None
+        # positions a step continuing a prefill computes again (a multi-module
+        # MTP drafter's retained tokens), the most over the groups
+        self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
@@ -316,7 +331,7 @@ class Checker:
             for pp in step:
                 if pp.rs.rid != rid:
                     continue
-                out.append((pp, max(0, pp.start - (0 if pp.dead else rollback)), pp.end))
+                out.append((pp, max(0, pp.reads_from - (0 if pp.dead else rollback)), pp.end))
                 if not pp.dead:
                     rollback += pp.rs.spec
         return out
@@ -348,6 +363,14 @@ class Checker:
             if any(x < x1 and y > x0 for x, y in reads(g, t, P)):
                 return t
         return None
+
+    @staticmethod
+    def _fmt_retained(g: Group, p: int) -> str:
+        R = g.spec.reprefill()
+        if not R:
+            return ""
+        return (f", and the next prefill chunk computes [{max(0, p - R)}, {p}) again, reading "
+                f"from {g.spec.lo(max(0, p - R))}")
 
     @staticmethod
     def _fmt_reads(g: Group, t: int, P: int | None) -> str:
@@ -439,7 +462,8 @@ class Checker:
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
-                       f"{self._fmt_reads(g, p, P)} ({g.label()})", rid=f.rid, block=f.block)
+                       f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} ({g.label()})",
+                    rid=f.rid, block=f.block)
 
     def _check_returned(self, f: FreeObs) -> None:
         """A block went back to the pool (request-level): no unprocessed step
@@ -451,7 +475,7 @@ class Checker:
                         continue
                     g = self.cfg.groups[gi]
                     P = self.prompt_len.get(pp.rs.rid)
-                    for lg in read_blocks(g, pp.start, pp.end, self.Bs[gi], P):
+                    for lg in read_blocks(g, pp.reads_from, pp.end, self.Bs[gi], P):
                         if lg < len(table) and table[lg] == f.block:
                             self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
                                        f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
@@ -480,6 +504,17 @@ class Checker:
             if rs.loaded:
                 req.loaded = (rs.start - rs.loaded, rs.start)
             pp = _Pending(s.step, rs)
+            # a step continuing the request's prefill where its last chunk
+            # ended: a lagging drafter computes that chunk's last positions again
+            P = self.prompt_len.get(rs.rid)
+            if self._reprefill and req.chunk is not None and req.chunk[1] == rs.start \
+                    and P is not None and 0 < rs.start < P:
+                pp.lead = min(self._reprefill, rs.start - req.chunk[0])
+                if any(g.spec.reprefill() and g.spec.lo(pp.reads_from) // self.Bs[gi]
+                       < g.spec.lo(rs.start) // self.Bs[gi]
+                       for gi, g in enumerate(self.cfg.groups)):
+                    self.witness["reprefill_reach"] += 1
+            req.chunk = (rs.start, rs.end)
             self._check_reads(pp, "scheduled")
             P = self.prompt_len.get(rs.rid)
             for gi, g in enumerate(self.cfg.groups):
@@ -525,7 +560,7 @@ class Checker:
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
         rid, tables = rs.rid, rs.tables
-        start, end = pp.start, pp.end
+        start, end = pp.reads_from, pp.end
         held = self.holder.get
         P = self.prompt_len.get(rid)
         for gi, g in enumerate(self.cfg.groups):
@@ -596,7 +631,7 @@ class Checker:
             g = self.cfg.groups[gi]
             B = self.Bs[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for blk, lg, x, y in self._cache_ranges(g, B, table, a, P):
+            for blk, lg, x, y in self._cache_ranges(g, B, table, a, P, pp.lead):
                 ok = self._ok.setdefault(rid if lg is not None else "", {})
                 v = ver.get(blk, 0)
                 seen = ok.get((blk, lg))
@@ -637,14 +672,20 @@ class Checker:
         return prefix_key(P, q, V)
 
     @staticmethod
-    def _cache_ranges(g: Group, B: int, table: tuple[int, ...], a: int, P: int):
+    def _cache_ranges(g: Group, B: int, table: tuple[int, ...], a: int, P: int,
+                      lead: int = 0):
         """The slots a step starting at ``a`` reads from the cache through
         ``table`` (blocks of ``B`` tokens), per block as ``(block, logical or
         None for the sink, first offset, end offset)``: the sink's reserved
-        blocks, then its window below ``a`` (NULL slots left to the NULL check)."""
+        blocks, then its window below ``a`` (NULL slots left to the NULL
+        check); with ``lead``, also the positions ``[a - lead, a)`` it computes
+        again and their windows."""
         for blk in g.spec.reserved_blocks(B):
             yield blk, None, 0, B
-        for x0, x1 in cached_reads(g, a, P):
+        ranges = cached_reads(g, a, P)
+        if lead and a - lead > 0:
+            ranges = ((cached_reads(g, a - lead, P) or ((a - lead, a),))[0][0], a),
+        for x0, x1 in ranges:
             for lg in range(x0 // B, min(-(-x1 // B), len(table))):
                 blk = table[lg]
                 if blk != NULL:
@@ -786,6 +827,7 @@ class Checker:
 
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
+        self.reqs[rid].chunk = None
         live = self._live_pending(rid)
         if preempted and live:
             self.witness["preempt_in_flight"] += 1

@@ -87,6 +87,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "sliding window's skipped-token count one too high (window of W-1)",
         ("--kind", "sliding", "--depth", "1"), frozenset({1, 2})),
     Mutant(
+        "swa-drops-retained-tokens", CORE + "single_type_kv_cache_manager.py",
+        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
+        "num_computed_tokens - self.sliding_window + 1",
+        "a sliding window frees the tokens it retains for a multi-module MTP drafter, whose "
+        "next prefill chunk computes them again",
+        ("--kind", "sliding", "--drafter", "mtp", "--prefix-caching", "off", *_ASYNC),
+        frozenset({1, 2})),
+    Mutant(
         "chunk-boundary-early", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens // self.attention_chunk_size\n        ) * self.attention_chunk_size",
         "(num_computed_tokens + 1) // self.attention_chunk_size\n"

@@ -72,7 +72,12 @@ MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
 # an EAGLE draft model's config (one Llama layer, no weights): vLLM wraps it as
 # EagleLlamaForCausalLM when SpeculativeConfig(method="eagle") reads it
 EAGLE_DIR = Path(__file__).resolve().parent / "tiny-eagle"
-DRAFT_LAYER = "draft"  # the EAGLE draft layer's name in the layer specs
+# a DeepSeek-V3 config with two MTP modules (num_nextn_predict_layers, no
+# weights): SpeculativeConfig(method="mtp") over it is a multi-module MTP
+# drafter (use_multi_module_mtp), whose prefill lookahead of spec_tokens makes
+# vLLM's planner give every sliding window spec_tokens - 1 retained tokens
+MTP_DIR = Path(__file__).resolve().parent / "tiny-mtp"
+DRAFT_LAYER = "draft"  # the EAGLE / MTP draft layer's name in the layer specs
 MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
 
 class ConfigUnsupported(Exception):
@@ -215,9 +220,10 @@ class Driver:
             cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
         kw: dict[str, Any] = {}
         parallel = c["ParallelConfig"](pipeline_parallel_size=pp)
-        if not probe and cfg.spec_tokens and cfg.drafter == "eagle":
+        if not probe and cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
             kw["speculative_config"] = c["SpeculativeConfig"](
-                method="eagle", model=str(EAGLE_DIR), num_speculative_tokens=cfg.spec_tokens,
+                method=cfg.drafter, model=str(EAGLE_DIR if cfg.drafter == "eagle" else MTP_DIR),
+                num_speculative_tokens=cfg.spec_tokens,
                 target_model_config=model, target_parallel_config=parallel,
             )
         elif not probe and cfg.spec_tokens:
@@ -310,8 +316,8 @@ class Driver:
         specs = {f"layer{i}": self._group_spec(g, cfg, i)
                  for i, g in enumerate(cfg.groups)}
         want = [(name,) for name in specs]
-        if cfg.spec_tokens and cfg.drafter == "eagle":
-            # EAGLE's draft layer, of the first group's spec: vLLM's planner
+        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
+            # EAGLE's (MTP's) draft layer, of the first group's spec: vLLM's planner
             # groups it with layer0 and (0.33) marks that group an EAGLE group
             first = specs["layer0"]
             specs[DRAFT_LAYER] = (dataclasses.replace(first, is_draft=True)
@@ -343,6 +349,12 @@ class Driver:
                 f"vllm {self.version} plans group block sizes {sizes}, scheduler block "
                 f"{block_size}, hash block {hash_block_size}; the config states "
                 f"{stated[0]}, {stated[1]}, {stated[2]}")
+        retained = [getattr(g.kv_cache_spec, "extra_retained_tokens", 0)
+                    for g in kvc.kv_cache_groups]
+        if retained != [g.retained for g in cfg.groups]:
+            raise ConfigUnsupported(
+                f"vllm {self.version} plans retained tokens {retained} per group; the config "
+                f"says {[g.retained for g in cfg.groups]}")
         if kvc.num_blocks != cfg.num_blocks:
             raise ConfigUnsupported(
                 f"vllm {self.version} plans {kvc.num_blocks} blocks, not {cfg.num_blocks}")
