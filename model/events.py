@@ -269,15 +269,18 @@ class Group:
     # tokens a sliding window keeps below itself (vLLM's extra_retained_tokens);
     # not saved: the Config sets it from its drafter, as vLLM's planner does
     retained: int = 0
+    # state blocks a Mamba group holds for drafts (vLLM's num_speculative_blocks,
+    # the model's num_speculative_tokens); not saved: the Config sets it
+    spec_blocks: int = 0
 
     @property
     def spec(self) -> Kind:
-        key = (self.kind, self.param, self.retained)
+        key = (self.kind, self.param, self.retained, self.spec_blocks)
         k = _SPECS.get(key)
         if k is None:
             if self.kind not in KIND_CLASSES:
                 raise TraceError(f"unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
-            k = _SPECS[key] = make_kind(self.kind, self.param, self.retained)
+            k = _SPECS[key] = make_kind(self.kind, self.param, self.retained, self.spec_blocks)
         return k
 
     def label(self) -> str:
@@ -303,12 +306,19 @@ class Config:
     def __post_init__(self) -> None:
         # vLLM's planner tags every sliding window with the drafter's retained
         # tokens (get_global_kv_cache_groups: extra_retained_tokens)
+        # tokens, and every Mamba layer with a state block per draft token
+        # (MambaSpec.num_speculative_blocks)
         gs = self.groups
         if isinstance(gs, tuple) and all(isinstance(g, Group) for g in gs):
             r = self.retained_tokens
-            if any(g.retained != (r if g.kind == "sliding" else 0) for g in gs):
-                object.__setattr__(self, "groups", tuple(
-                    replace(g, retained=r if g.kind == "sliding" else 0) for g in gs))
+            k = self.spec_tokens if _is_int(self.spec_tokens) and self.spec_tokens > 0 else 0
+
+            def tagged(g: Group) -> Group:
+                return replace(g, retained=r if g.kind == "sliding" else 0,
+                               spec_blocks=k if g.kind == "mamba" else 0)
+
+            if any(tagged(g) != g for g in gs):
+                object.__setattr__(self, "groups", tuple(tagged(g) for g in gs))
 
     @property
     def retained_tokens(self) -> int:

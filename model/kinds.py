@@ -307,6 +307,17 @@ class Mamba(Kind):
 
         n = 7            [ 0  1  2  3  4  5  6 | 7 ]
                                            |-read-|       skipped = n - 1 = 6
+
+    mamba with ``K`` speculative blocks (drafts, vLLM's align mode): a step
+    computing ``[a, e)`` keeps its running state and the state after each of
+    its ``K`` drafts in the ``1 + K`` slots from ``s = (e-1)//B`` on (the
+    worker's ``mamba_get_block_table_tensor``); the next step starts from the
+    accepted draft's slot, ``s + accepted``, copying it into its own ``s``.
+    K = 2, B = 4, a decode computing [5, 8) (two drafts)::
+
+        tokens    [ 0..3 | 4..7 |      |      ]
+        slots        0      1      2      3
+                   in: 4   s=1: after 5, 2: after 6, 3: after 7
     """
 
     name = "mamba"
@@ -317,6 +328,10 @@ class Mamba(Kind):
 
     def kernel_window(self) -> tuple[int, int] | None:
         return (1, 0)
+
+    def __init__(self, param: int = 0, spec_blocks: int = 0) -> None:
+        super().__init__(param)
+        self.spec_blocks = spec_blocks
 
     def speculative_blocks(self, spec_tokens: int) -> int:
         return spec_tokens  # a state slot per draft token
@@ -333,15 +348,26 @@ class Mamba(Kind):
 
             a = 4, e = 12, B = 4   [ 0..3 | 4..7 | 8..11 ]
                                       in     NULL    out
-        """
+
+        With ``K`` speculative blocks it also writes the ``K`` slots after the
+        last (a draft's state each), and the state it starts from is the
+        previous step's accepted one: in the slot of ``a - 1`` or among the
+        slots it writes, as long as a step moves by at most ``B`` tokens per
+        block (``K < B``, which the vLLM target holds to)."""
         if e <= a:
             return range(0)
         last = (e - 1) // block_size
         first = (a - 1) // block_size if a > 0 else last
-        return [first, last] if first < last else [last]
+        out = [first, last] if first < last else [last]
+        if self.spec_blocks:
+            out.extend(range(last + 1, last + 1 + self.spec_blocks))
+        return out
 
     def live_span(self, ahead: int) -> int | None:
         return 1 + ahead
+
+    def live_bound(self, block_size: int, max_model_len: int, ahead: int) -> int:
+        return super().live_bound(block_size, max_model_len, ahead) + self.spec_blocks
 
 
 class RSWA(Kind):
@@ -446,9 +472,13 @@ KINDS: dict[str, type[Kind]] = {
 }
 
 
-def make_kind(name: str, param: int = 0, retained: int = 0) -> Kind:
+def make_kind(name: str, param: int = 0, retained: int = 0, spec_blocks: int = 0) -> Kind:
     if retained:
         if name != "sliding":
             raise ValueError(f"only sliding windows retain tokens, not {name}")
         return Sliding(param, retained)
+    if spec_blocks:
+        if name != "mamba":
+            raise ValueError(f"only Mamba holds speculative state blocks, not {name}")
+        return Mamba(param, spec_blocks)
     return KINDS[name](param)

@@ -613,6 +613,49 @@ def _prove_rswa(policy: str) -> ProofResult:
                        f"Z3 answered {res} on the gap lemma", checks=[check])
 
 
+# ========================================================= retained tokens
+
+RETAINED_NOTE = ("retained tokens: sliding(W, R) (vLLM's extra_retained_tokens R >= 0) frees "
+                 "as sliding(W+R) and every step of it, a prefill chunk computing up to R "
+                 "positions below its start again included, reads inside sliding(W+R)'s "
+                 "windows, so the proof for every window covers it; the rule that forgets R "
+                 "is refuted")
+
+
+def retained_checks() -> list[StepCheck]:
+    """sliding(W, R) reduced to sliding(W+R) (the proof holds for every
+    window): vLLM's skipped count ``max(0, n - W + 1 - R)`` equals the
+    model's for window ``W + R``, and a step continuing the prefill from ``a``
+    with ``l <= R`` positions computed again reads from ``lo_W(a - l)``, never
+    below ``lo_{W+R}(a)``. And the slip: freeing on ``n - W + 1`` frees a
+    block such a step reads (sat, with its values)."""
+    n, a, lead, W, R, B, q = z3.Ints("n a lead W R B q")
+    ar = Arith(B, z3.Int("C"), z3.Int("M"))
+    hyps = [W >= 1, R >= 0]
+    out = [_valid("retained: vLLM's rule is sliding(W+R)'s", hyps + [n >= 0],
+                  z3.If(n <= 0, 0, zmax(0, n - W + 1 - R)) == skipped("sliding", n, W + R, ar),
+                  ar),
+           _valid("retained: a re-prefilling step reads inside sliding(W+R)",
+                  hyps + [a >= 0, lead >= 0, lead <= R, lead <= a],
+                  zmax(0, a - lead - W + 1) >= window_lo("sliding", a, W + R, ar), ar)]
+    # the slip: the settled count n, a block [q*B, (q+1)*B) freed by the rule
+    # that forgets R, and the next chunk (from n, R positions again) reading it
+    t0 = time.perf_counter()
+    sol = z3.Solver()
+    sol.set(timeout=STEP_TIMEOUT_MS)
+    sol.add(W >= 1, R >= 1, B >= 1, B <= 64, n >= R, q >= 0, (q + 1) * B <= n - W + 1,
+            zmax(0, n - R - W + 1) < (q + 1) * B)
+    r = sol.check()
+    cti = ""
+    if r == z3.sat:
+        m = sol.model()
+        cti = ", ".join(f"{v}={m.eval(v, model_completion=True)}" for v in (B, W, R, n, q))
+    out.append(StepCheck("retained: the rule forgetting R frees a block a chunk reads",
+                         "proved" if r == z3.sat else _status(r), time.perf_counter() - t0,
+                         cti=cti))
+    return out
+
+
 # ===================================================================== proving
 
 DEFAULT_PROP2 = {("mamba-local", "sliding")}  # refute with a rejection (spec tokens)
@@ -646,6 +689,9 @@ def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
     except PolicyNotSymbolic as e:
         return ProofResult(kind, policy, "unknown", time.perf_counter() - t0, covers, None,
                            str(e))
+    if kind == "sliding" and rule is None:
+        checks = [*checks, *retained_checks()]
+        covers = f"{covers}; {RETAINED_NOTE}"
     steps = "; ".join(f"{c.transition} {c.seconds:.2f}s" for c in checks)
     if all(c.status == "proved" for c in checks) and not bad_lemmas:
         return ProofResult(kind, policy, "proved", time.perf_counter() - t0, covers, None,

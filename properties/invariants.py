@@ -44,6 +44,7 @@ from model.observations import (
     AllocObs,
     FinishObs,
     FreeObs,
+    MoveObs,
     Observed,
     ProcessObs,
     ReqStep,
@@ -79,6 +80,9 @@ WITNESSES = {
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
     "drained": "an example ended with every request run to completion (property 7)",
     "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
+    "state_block_moved": "a Mamba speculative state block relocated past the new running state",
+    "checkpoint_near_rejection": "a draft rejection rolling a Mamba request back below the "
+                                 "block edge whose state its step checkpointed",
     "reprefill_reach": "a prefill chunk whose drafter computes the last chunk's positions again "
                        "and so reads a block below its own window (retained tokens)",
 }
@@ -186,6 +190,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
             out.add("fine_grained_hit")
     if any(g.spec.reprefill() for g in cfg.groups):
         out.add("reprefill_reach")
+    if cfg.spec_tokens and any(g.kind == "mamba" for g in cfg.groups):
+        out.add("checkpoint_near_rejection")
     return out
 
 
@@ -239,6 +245,7 @@ class Checker:
         # positions a step continuing a prefill computes again (a multi-module
         # MTP drafter's retained tokens), the most over the groups
         self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
+        self._mamba = any(g.kind == "mamba" for g in cfg.groups)
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
@@ -270,6 +277,8 @@ class Checker:
                 self._free(item)
             elif isinstance(item, AllocObs):
                 self._alloc(item)
+            elif isinstance(item, MoveObs):
+                self._move(item)
             elif isinstance(item, StepObs):
                 self._step(item)
             elif isinstance(item, ProcessObs):
@@ -406,6 +415,24 @@ class Checker:
         self.refs[a.block] = n + 1
         if n == 0:
             self._owned += 1
+
+    def _move(self, m: MoveObs) -> None:
+        """A block moved between two slots of its request (Mamba's speculative
+        blocks, relocated past the new running state): it stays held, its old
+        slot reads NULL from now on (a step that still reads it there is
+        property 2's), its new slot must have been empty."""
+        old, new = (m.rid, m.group, m.logical), (m.rid, m.group, m.to)
+        if self.holder.get(old) != m.block:
+            self._v(3, f"{m.rid} moved block {m.block} from logical {m.logical} (group "
+                       f"{m.group}), which it does not hold there", rid=m.rid, block=m.block)
+            return
+        if self.holder.get(new, NULL) != NULL:
+            self._v(3, f"{m.rid} moved block {m.block} to logical {m.to} (group {m.group}), "
+                       f"where it holds block {self.holder[new]}", rid=m.rid, block=m.block)
+            return
+        del self.holder[old]
+        self.holder[new] = m.block
+        self.witness["state_block_moved"] += 1
 
     def _free(self, f: FreeObs) -> None:
         self._let_go.add(f.rid)
@@ -750,6 +777,8 @@ class Checker:
             if rejected > 0:
                 if req.window_freed:
                     self.witness["rollback_near_free"] += 1
+                if self._mamba and (pp.end - rejected - 1) // self.B < (pp.end - 1) // self.B:
+                    self.witness["checkpoint_near_rejection"] += 1
                 tables = pp.rs.tables
                 self._write(rid, tables, pp.end - rejected, pp.end, po.step,
                             f"the KV of a draft step {po.step} computed and the output rejected")

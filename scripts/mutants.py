@@ -117,6 +117,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "it is still in flight",
         ("--kind", "mamba", *_ASYNC), frozenset({1, 2})),
     Mutant(
+        "mamba-align-relocates-running-state", CORE + "single_type_kv_cache_manager.py",
+        "                        if block_idx < num_skipped_blocks - checkpoint_block:\n",
+        "                        if block_idx <= num_skipped_blocks - checkpoint_block:\n",
+        "Mamba's align mode relocates one speculative block too many with drafts: the slot "
+        "of the new running state, which the step writes",
+        ("--kind", "mamba", "--spec-tokens", "2", "--no-external", *_ASYNC), frozenset({2, 3})),
+    Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
         "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",

@@ -57,6 +57,7 @@ from model.observations import (
     Counters,
     FinishObs,
     FreeObs,
+    MoveObs,
     Observed,
     ProcessObs,
     ReqCounters,
@@ -275,16 +276,21 @@ class Driver:
             raise ConfigUnsupported(
                 "without prefix caching vLLM sizes a Mamba block to max_model_len "
                 "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
-        if cfg.spec_tokens:
+        if cfg.spec_tokens >= B:
+            # then a decode moves the running state more than one block, and
+            # the state a rejection leaves may sit in a relocated slot
             raise ConfigUnsupported(
-                "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
-                "the block table (_relocate_speculative_block), not modeled yet")
+                f"{cfg.spec_tokens} drafts with {B}-token Mamba blocks: the checker models "
+                f"Mamba's speculative state slots for fewer drafts than the block size")
         # a hybrid model's config pads the Mamba page to the attention
         # page (HybridAttentionMambaModelConfig), so both share one pool
         pad = (kvi.FullAttentionSpec(**common).page_size_bytes
                if any(not o.spec.holds_state for o in cfg.groups) else None)
+        # a state block per draft token, as a Mamba layer's spec has it
+        # (MambaBase.get_kv_cache_spec: num_speculative_tokens)
         return spec_cls(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
-                        mamba_cache_mode="align", page_size_padded=pad)
+                        mamba_cache_mode="align", page_size_padded=pad,
+                        num_speculative_blocks=cfg.spec_tokens)
 
     def _chunked_one_size(self) -> bool:
         """Whether this release's chunked-local prefix lookup asserts that its
@@ -565,6 +571,29 @@ class Driver:
 
         mgr.pop_blocks_for_free = pop_blocks_w
 
+        relocate = getattr(mgr, "_relocate_speculative_block", None)
+        if relocate is not None:
+            def relocate_w(req_blocks: list[Any], block_idx: int) -> Any:
+                rid = next((r for r, bl in mgr.req_to_blocks.items() if bl is req_blocks), None)
+                b = req_blocks[block_idx]
+                ret = relocate(req_blocks, block_idx)
+                tab = self.table.get(rid, [None])[g] if rid is not None else None
+                pid = self._pid(b)
+                if tab is None or block_idx >= len(tab) or tab[block_idx] != pid:
+                    raise InstrumentationError(
+                        f"a speculative Mamba block {pid} (group {g}) relocated from a slot "
+                        f"kvcheck did not see it at")
+                to = len(req_blocks) - 1
+                tab[block_idx] = NULL
+                for slot in range(len(tab), to):  # NULL slots allocate_new_blocks padded
+                    tab.append(NULL if req_blocks[slot].is_null
+                               else self._pid(req_blocks[slot]))
+                tab.append(pid)
+                self.items.append(MoveObs(pid, g, rid, block_idx, to))
+                return ret
+
+            mgr._relocate_speculative_block = relocate_w
+
     # ------------------------------------------------------ attributing frees
 
     def _pid(self, b: Any) -> int:
@@ -612,10 +641,16 @@ class Driver:
             tab.extend([NULL] * (n - len(tab)))
         for slot in range(n, len(after)):
             b = after[slot]
+            pid = NULL if b.is_null else self._pid(b)
+            if slot < len(tab):  # seen already: a relocated speculative block
+                if tab[slot] != pid:
+                    raise InstrumentationError(
+                        f"request {rid} group {g} slot {slot} holds {pid}, observations say "
+                        f"{tab[slot]}")
+                continue
             if b.is_null:
                 tab.append(NULL)
                 continue
-            pid = self._pid(b)
             tab.append(pid)
             live[g] += 1
             self.items.append(AllocObs(pid, g, rid, slot, cached=id(b) not in self.fresh))
