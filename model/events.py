@@ -314,8 +314,11 @@ class Config:
             k = self.spec_tokens if _is_int(self.spec_tokens) and self.spec_tokens > 0 else 0
 
             def tagged(g: Group) -> Group:
-                return replace(g, retained=r if g.kind == "sliding" else 0,
-                               spec_blocks=k if g.kind == "mamba" else 0)
+                cls = KIND_CLASSES.get(g.kind) if isinstance(g.kind, str) else None
+                if cls is None:
+                    return g  # validate() names the unknown kind
+                return replace(g, retained=r if cls.retains_tokens else 0,
+                               spec_blocks=k if cls.holds_state else 0)
 
             if any(tagged(g) != g for g in gs):
                 object.__setattr__(self, "groups", tuple(tagged(g) for g in gs))

@@ -64,6 +64,8 @@ class Kind:
     vllm_one_block_size: ClassVar[bool] = False
 
     retained: int = 0  # tokens kept below the window (sliding only; vLLM's extra_retained_tokens)
+    # vLLM's planner gives its layers a drafter's retained tokens (SlidingWindowSpec)
+    retains_tokens: ClassVar[bool] = False
 
     def __init__(self, param: int = 0) -> None:
         self.param = param
@@ -216,6 +218,7 @@ class Sliding(Kind):
     name = "sliding"
     param_name = "window"
     vllm_manager = "SlidingWindowManager"
+    retains_tokens = True
     vllm_spec, vllm_param = "SlidingWindowSpec", "sliding_window"
 
     def __init__(self, param: int = 0, retained: int = 0) -> None:
@@ -473,12 +476,13 @@ KINDS: dict[str, type[Kind]] = {
 
 
 def make_kind(name: str, param: int = 0, retained: int = 0, spec_blocks: int = 0) -> Kind:
+    cls = KINDS[name]
     if retained:
-        if name != "sliding":
+        if not cls.retains_tokens:
             raise ValueError(f"only sliding windows retain tokens, not {name}")
-        return Sliding(param, retained)
+        return cls(param, retained)  # type: ignore[call-arg]
     if spec_blocks:
-        if name != "mamba":
+        if not cls.holds_state:
             raise ValueError(f"only Mamba holds speculative state blocks, not {name}")
-        return Mamba(param, spec_blocks)
-    return KINDS[name](param)
+        return cls(param, spec_blocks)  # type: ignore[call-arg]
+    return cls(param)

@@ -190,7 +190,7 @@ def expected_witnesses(cfg: Config) -> set[str]:
             out.add("fine_grained_hit")
     if any(g.spec.reprefill() for g in cfg.groups):
         out.add("reprefill_reach")
-    if cfg.spec_tokens and any(g.kind == "mamba" for g in cfg.groups):
+    if cfg.spec_tokens and any(g.spec.holds_state for g in cfg.groups):
         out.add("checkpoint_near_rejection")
     return out
 
@@ -245,7 +245,7 @@ class Checker:
         # positions a step continuing a prefill computes again (a multi-module
         # MTP drafter's retained tokens), the most over the groups
         self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
-        self._mamba = any(g.kind == "mamba" for g in cfg.groups)
+        self._mamba = any(g.spec.holds_state for g in cfg.groups)
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
