@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import z3
 
 from .events import AddRequest, Config, Group, Process, Schedule, Trace
+from .kinds import KINDS as KIND_CLASSES
 from .policy import REGISTRY, Counts
 from .windows import live_bound as code_live_bound
 from .z3_arith import Arith, check_nonlinear, hint, prove_lemmas, zmax, zmin
@@ -677,6 +678,7 @@ def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
         r = prove(via, policy, rule, search, prop)
         return replace(r, kind=kind, covers=f"{note}; {via}'s proof covers: {r.covers}")
     t0 = time.perf_counter()
+    custom = rule is not None
     lemmas = _lemma_names(kind)
     covers = covers_text(kind, lemmas)
     bad_lemmas = [r.name for r in prove_lemmas() if r.status != "proved" and r.name in lemmas]
@@ -689,9 +691,9 @@ def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
     except PolicyNotSymbolic as e:
         return ProofResult(kind, policy, "unknown", time.perf_counter() - t0, covers, None,
                            str(e))
-    if kind == "sliding" and rule is None:
+    if KIND_CLASSES[kind].retains_tokens and not custom:
         checks = [*checks, *retained_checks()]
-        covers = f"{covers}; {RETAINED_NOTE}"
+        covers = f"{RETAINED_NOTE}; {covers}"
     steps = "; ".join(f"{c.transition} {c.seconds:.2f}s" for c in checks)
     if all(c.status == "proved" for c in checks) and not bad_lemmas:
         return ProofResult(kind, policy, "proved", time.perf_counter() - t0, covers, None,
