@@ -50,7 +50,11 @@ How a config runs
   engine's ``post_step`` path, ``update_draft_token_ids`` with K drafts for the
   step's running requests (vLLM drops them for prefill chunks). 0.33 then sets
   its own token budget net of draft slots, and pads a request's first decode
-  in a decode batch to 1 + K tokens.
+  in a decode batch to 1 + K tokens. ``drafter`` ``eagle`` / ``mtp``:
+  ``SpeculativeConfig(method="eagle" | "mtp")`` over ``tiny-eagle`` /
+  ``tiny-mtp`` (two MTP modules: a multi-module MTP drafter, whose prefill
+  lookahead of K gives sliding windows ``extra_retained_tokens = K - 1``), a
+  draft layer in the first group.
 * hazard ``unordered``: our connector as a KV consumer (``kv_role="kv_consumer"``,
   ``kv_load_failure_policy="recompute"``), which also turns on vLLM's deferred
   frees (``defer_block_free``) when two or more batches are in flight. No
