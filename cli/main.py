@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from impl.target import TargetCrash, TargetError, Unsupported
-from model.events import KINDS, TraceError
+from model.events import DRAFTERS, KINDS, MTP_MODULES, TraceError
 from model.kinds import KINDS as KIND_CLASSES
 from properties.database import DatabaseError
 from properties.replay import InvalidEvent
@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "3-4 pipeline parallel (default: drawn)")
     f.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per decode "
                    "(default: drawn 0-3)")
-    f.add_argument("--drafter", choices=("ngram", "eagle"), default="ngram",
-                   help="how drafts are proposed: ngram (prompt lookup) or eagle (vLLM's EAGLE: "
+    f.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+                   help="how drafts are proposed: ngram (prompt lookup), eagle (vLLM's EAGLE: "
                         "a draft layer beside the first group, the hit's last block dropped or "
-                        "hashes one token ahead; single-group kinds, vLLM targets)")
+                        "hashes one token ahead; single-group kinds, vLLM targets) or mtp (a "
+                        "multi-module MTP drafter of two modules: as eagle, drafts in pairs, "
+                        "sliding windows retain spec_tokens - 1 tokens)")
     f.add_argument("--hazard", choices=("ordered", "unordered"), default=None,
                    help="unordered: a KV-consumer connector may write freed blocks at once")
     f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
@@ -294,6 +296,9 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--spec-tokens {spec.spec_tokens}: must be 0-8")
     if spec.drafter != "ngram" and spec.spec_tokens == 0:
         raise UsageError(f"--drafter {spec.drafter} proposes drafts; --spec-tokens 0 contradicts")
+    if spec.drafter == "mtp" and spec.spec_tokens is not None and spec.spec_tokens % MTP_MODULES:
+        raise UsageError(f"--drafter mtp ({MTP_MODULES} modules): --spec-tokens must be a "
+                         f"multiple of {MTP_MODULES}, got {spec.spec_tokens}")
     kind = KIND_CLASSES.get(spec.kind)
     if kind is not None and not kind.prefix_cacheable and spec.prefix_caching:
         raise UsageError(f"--prefix-caching on: {spec.kind} takes no prefix hits (vLLM's "

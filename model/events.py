@@ -18,7 +18,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,11 @@ HAZARDS = ("ordered", "unordered")
 # how drafts are proposed when spec_tokens > 0: "ngram" (prompt lookup, no KV
 # of its own), "eagle" (a draft layer beside the model's: vLLM drops the last
 # block of a prefix hit, or hashes one token past each block, and never ends a
-# prefill chunk one token short of the prompt)
-DRAFTERS = ("ngram", "eagle")
+# prefill chunk one token short of the prompt), "mtp" (a multi-module MTP
+# drafter of two modules, as EAGLE plus: drafts in multiples of two, a lookahead
+# of spec_tokens, and sliding windows retaining spec_tokens - 1 tokens)
+DRAFTERS = ("ngram", "eagle", "mtp")
+MTP_MODULES = 2  # num_nextn_predict_layers of impl/vllm/tiny-mtp
 
 
 class TraceError(ValueError):
@@ -263,15 +266,21 @@ class Group:
     kind: str
     param: int = 0
     block_size: int = 0
+    # tokens a sliding window keeps below itself (vLLM's extra_retained_tokens);
+    # not saved: the Config sets it from its drafter, as vLLM's planner does
+    retained: int = 0
+    # state blocks a Mamba group holds for drafts (vLLM's num_speculative_blocks,
+    # the model's num_speculative_tokens); not saved: the Config sets it
+    spec_blocks: int = 0
 
     @property
     def spec(self) -> Kind:
-        key = (self.kind, self.param)
+        key = (self.kind, self.param, self.retained, self.spec_blocks)
         k = _SPECS.get(key)
         if k is None:
             if self.kind not in KIND_CLASSES:
                 raise TraceError(f"unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
-            k = _SPECS[key] = make_kind(self.kind, self.param)
+            k = _SPECS[key] = make_kind(self.kind, self.param, self.retained, self.spec_blocks)
         return k
 
     def label(self) -> str:
@@ -293,6 +302,35 @@ class Config:
     hazard: str = "ordered"  # "unordered": a KV-consumer connector may write freed blocks
     prefix_caching: bool = False
     drafter: str = "ngram"  # DRAFTERS; saved only when not "ngram"
+
+    def __post_init__(self) -> None:
+        # vLLM's planner tags every sliding window with the drafter's retained
+        # tokens (get_global_kv_cache_groups: extra_retained_tokens)
+        # tokens, and every Mamba layer with a state block per draft token
+        # (MambaSpec.num_speculative_blocks)
+        gs = self.groups
+        if isinstance(gs, tuple) and all(isinstance(g, Group) for g in gs):
+            r = self.retained_tokens
+            k = self.spec_tokens if _is_int(self.spec_tokens) and self.spec_tokens > 0 else 0
+
+            def tagged(g: Group) -> Group:
+                cls = KIND_CLASSES.get(g.kind) if isinstance(g.kind, str) else None
+                if cls is None:
+                    return g  # validate() names the unknown kind
+                return replace(g, retained=r if cls.retains_tokens else 0,
+                               spec_blocks=k if cls.holds_state else 0)
+
+            if any(tagged(g) != g for g in gs):
+                object.__setattr__(self, "groups", tuple(tagged(g) for g in gs))
+
+    @property
+    def retained_tokens(self) -> int:
+        """vLLM's ``extra_retained_tokens``: ``max(0, num_prefill_lookahead_tokens
+        - 1)``, the lookahead being ``spec_tokens`` for a multi-module MTP
+        drafter (1 for EAGLE, 0 without a model-based drafter)."""
+        if self.drafter != "mtp" or not _is_int(self.spec_tokens) or self.spec_tokens < 2:
+            return 0
+        return self.spec_tokens - 1
 
     @property
     def kind(self) -> str:
@@ -453,6 +491,9 @@ class Config:
                              f"(known: {', '.join(DRAFTERS)})")
         if self.drafter != "ngram" and not self.spec_tokens:
             raise TraceError(f"config: drafter {self.drafter} needs spec_tokens >= 1")
+        if self.drafter == "mtp" and self.spec_tokens % MTP_MODULES:
+            raise TraceError(f"config: drafter mtp ({MTP_MODULES} modules) needs spec_tokens "
+                             f"divisible by {MTP_MODULES}, got {self.spec_tokens}")
 
 
 def sliding(w: int, **kw: Any) -> Config:

@@ -13,7 +13,9 @@ A kind answers, for one KV-cache group and one request whose prompt has
 * :meth:`Kind.live_span`: how many tokens' blocks a request keeps when the
   manager runs ``ahead`` tokens past the count it frees on (None: all);
 * :meth:`Kind.reserved_blocks`: physical blocks the kind keeps for itself
-  (the static sink's KV), read by every step of every request.
+  (the static sink's KV), read by every step of every request;
+* :meth:`Kind.reprefill`: positions below its start a step continuing the
+  request's prefill computes again (a sliding window's retained tokens).
 
 Besides, what the other layers need of a kind, as facts of its class:
 ``frees_early`` (it returns blocks before the request ends), ``holds_state``
@@ -73,6 +75,10 @@ class Kind:
     # vLLM's prefix lookup for it asserts that its block size is the hit
     # alignment (0.33.0's chunked-local manager): no other block size beside it
     vllm_one_block_size: ClassVar[bool] = False
+
+    retained: int = 0  # tokens kept below the window (sliding only; vLLM's extra_retained_tokens)
+    # vLLM's planner gives its layers a drafter's retained tokens (SlidingWindowSpec)
+    retains_tokens: ClassVar[bool] = False
 
     def __init__(self, param: int = 0) -> None:
         self.param = param
@@ -163,6 +169,13 @@ class Kind:
         ``num_speculative_blocks``)."""
         return 0
 
+    def reprefill(self) -> int:
+        """Positions below its start that a step continuing the request's own
+        prefill computes again (a multi-module MTP drafter's lagging modules);
+        its reads reach the windows of those positions too. 0 for every kind
+        but a sliding window with retained tokens."""
+        return 0
+
     # ------------------------------------------------------------- others' views
 
     def kernel_window(self) -> tuple[int, int] | None:
@@ -204,15 +217,56 @@ class Sliding(Kind):
         tokens           [ 0  1  2  3  4  5  6  7 ]
                          |---- computed ----|
                                      |--- read --|        skipped = n - W + 1 = 4
+
+    sliding(W, R): ``R`` retained tokens (vLLM's ``extra_retained_tokens``,
+    ``num_prefill_lookahead_tokens - 1``: ``K - 1`` for a multi-module MTP
+    drafter of ``K`` drafts). At a chunked-prefill boundary the drafter's
+    later modules lag the chunk by up to ``R`` positions; the next chunk
+    computes them again, so a step continuing the prefill from ``a`` reads the
+    windows of ``[a-R, e)``, and the manager keeps ``R`` more tokens (vLLM
+    always; the checker asks for them only while ``n`` is inside the prompt).
+    W = 4, R = 2, n = 7::
+
+        tokens           [ 0  1  2  3  4  5  6  7 ]
+                         |---- computed ----|
+                                       |R |              computed again: 5, 6
+                               |----- read ----|         skipped = n - W + 1 - R = 2
     """
 
     name = "sliding"
     param_name = "window"
     vllm_manager = "SlidingWindowManager"
+    retains_tokens = True
     vllm_spec, vllm_param = "SlidingWindowSpec", "sliding_window"
+
+    def __init__(self, param: int = 0, retained: int = 0) -> None:
+        super().__init__(param)
+        self.retained = retained
+
+    def label(self) -> str:
+        return f"sliding(W={self.param}, R={self.retained})" if self.retained \
+            else super().label()
+
+    def problem(self, block_size: int) -> str | None:
+        if self.retained < 0:
+            return f"sliding needs retained tokens >= 0, got {self.retained}"
+        return super().problem(block_size)
 
     def lo(self, t: int) -> int:
         return max(0, t - self.param + 1)
+
+    def skipped(self, n: int) -> int:
+        return max(0, n - self.param + 1 - self.retained) if n > 0 else 0
+
+    def freeable(self, n: int, block_size: int, prompt_len: int | None = None) -> range:
+        # the retained tokens matter only while the prefill can continue: from
+        # the prompt's end on no step computes a position below its start again
+        if self.retained and prompt_len is not None and n >= prompt_len:
+            return range(max(0, n - self.param + 1) // block_size)
+        return range(self.skipped(n) // block_size)
+
+    def reprefill(self) -> int:
+        return self.retained
 
     def kernel_window(self) -> tuple[int, int] | None:
         return (self.param - 1, 0)
@@ -222,12 +276,12 @@ class Sliding(Kind):
         return window
 
     def live_span(self, ahead: int) -> int | None:
-        return self.param - 1 + ahead
+        return self.param - 1 + self.retained + ahead
 
     def admission_cap(self, block_size: int, max_model_len: int, ahead: int) -> int | None:
-        # the last W-1 settled tokens plus those ahead, and one block for a
+        # the last W-1+R settled tokens plus those ahead, and one block for a
         # window that does not start at a block edge
-        return cdiv(min(self.param - 1 + ahead, max_model_len), block_size) + 1
+        return cdiv(min(self.param - 1 + self.retained + ahead, max_model_len), block_size) + 1
 
 
 class ChunkedLocal(Kind):
@@ -274,6 +328,17 @@ class Mamba(Kind):
 
         n = 7            [ 0  1  2  3  4  5  6 | 7 ]
                                            |-read-|       skipped = n - 1 = 6
+
+    mamba with ``K`` speculative blocks (drafts, vLLM's align mode): a step
+    computing ``[a, e)`` keeps its running state and the state after each of
+    its ``K`` drafts in the ``1 + K`` slots from ``s = (e-1)//B`` on (the
+    worker's ``mamba_get_block_table_tensor``); the next step starts from the
+    accepted draft's slot, ``s + accepted``, copying it into its own ``s``.
+    K = 2, B = 4, a decode computing [5, 8) (two drafts)::
+
+        tokens    [ 0..3 | 4..7 |      |      ]
+        slots        0      1      2      3
+                   in: 4   s=1: after 5, 2: after 6, 3: after 7
     """
 
     name = "mamba"
@@ -284,6 +349,10 @@ class Mamba(Kind):
 
     def kernel_window(self) -> tuple[int, int] | None:
         return (1, 0)
+
+    def __init__(self, param: int = 0, spec_blocks: int = 0) -> None:
+        super().__init__(param)
+        self.spec_blocks = spec_blocks
 
     def speculative_blocks(self, spec_tokens: int) -> int:
         return spec_tokens  # a state slot per draft token
@@ -300,15 +369,26 @@ class Mamba(Kind):
 
             a = 4, e = 12, B = 4   [ 0..3 | 4..7 | 8..11 ]
                                       in     NULL    out
-        """
+
+        With ``K`` speculative blocks it also writes the ``K`` slots after the
+        last (a draft's state each), and the state it starts from is the
+        previous step's accepted one: in the slot of ``a - 1`` or among the
+        slots it writes, as long as a step moves by at most ``B`` tokens per
+        block (``K < B``, which the vLLM target holds to)."""
         if e <= a:
             return range(0)
         last = (e - 1) // block_size
         first = (a - 1) // block_size if a > 0 else last
-        return [first, last] if first < last else [last]
+        out = [first, last] if first < last else [last]
+        if self.spec_blocks:
+            out.extend(range(last + 1, last + 1 + self.spec_blocks))
+        return out
 
     def live_span(self, ahead: int) -> int | None:
         return 1 + ahead
+
+    def live_bound(self, block_size: int, max_model_len: int, ahead: int) -> int:
+        return super().live_bound(block_size, max_model_len, ahead) + self.spec_blocks
 
 
 class RSWA(Kind):
@@ -513,5 +593,14 @@ KINDS: dict[str, type[Kind]] = {
 }
 
 
-def make_kind(name: str, param: int = 0) -> Kind:
-    return KINDS[name](param)
+def make_kind(name: str, param: int = 0, retained: int = 0, spec_blocks: int = 0) -> Kind:
+    cls = KINDS[name]
+    if retained:
+        if not cls.retains_tokens:
+            raise ValueError(f"only sliding windows retain tokens, not {name}")
+        return cls(param, retained)  # type: ignore[call-arg]
+    if spec_blocks:
+        if not cls.holds_state:
+            raise ValueError(f"only Mamba holds speculative state blocks, not {name}")
+        return cls(param, spec_blocks)  # type: ignore[call-arg]
+    return cls(param)

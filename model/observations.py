@@ -17,6 +17,9 @@ Item kinds:
   dropped; with prefix caching the block may stay cached in the pool), and
   why: ``window`` (out of the attention window), ``finish``, ``abort``,
   ``preempt``, ``failed_load``.
+* :class:`MoveObs`: a request's block moved from one logical slot to another
+  of the same group, its old slot now NULL (vLLM's Mamba align mode relocates
+  a speculative state block past the new running state); no reference changes.
 * :class:`ProcessObs`: the oldest unprocessed step's output was handed back,
   with the drafts accepted per request and the requests whose output was
   discarded (preempted, finished or failed meanwhile).
@@ -68,6 +71,15 @@ class FreeObs:
 
 
 @dataclass(frozen=True)
+class MoveObs:
+    block: int
+    group: int
+    rid: str
+    logical: int  # the slot it left (now NULL)
+    to: int  # the slot it holds now
+
+
+@dataclass(frozen=True)
 class ProcessObs:
     step: int
     accepted: tuple[tuple[str, int], ...] = ()  # (rid, accepted drafts)
@@ -81,7 +93,7 @@ class FinishObs:
     reason: str  # "length", "finish", "abort"
 
 
-Item = StepObs | AllocObs | FreeObs | ProcessObs | FinishObs
+Item = StepObs | AllocObs | FreeObs | MoveObs | ProcessObs | FinishObs
 
 
 @dataclass(frozen=True)

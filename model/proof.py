@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import z3
 
 from .events import AddRequest, Config, Group, Process, Schedule, Trace
+from .kinds import KINDS as KIND_CLASSES
 from .policy import REGISTRY, Counts
 from .windows import live_bound as code_live_bound
 from .z3_arith import Arith, check_nonlinear, hint, prove_lemmas, zmax, zmin
@@ -617,6 +618,49 @@ def _prove_rswa(policy: str) -> ProofResult:
                        f"Z3 answered {res} on the gap lemma", checks=[check])
 
 
+# ========================================================= retained tokens
+
+RETAINED_NOTE = ("retained tokens: sliding(W, R) (vLLM's extra_retained_tokens R >= 0) frees "
+                 "as sliding(W+R) and every step of it, a prefill chunk computing up to R "
+                 "positions below its start again included, reads inside sliding(W+R)'s "
+                 "windows, so the proof for every window covers it; the rule that forgets R "
+                 "is refuted")
+
+
+def retained_checks() -> list[StepCheck]:
+    """sliding(W, R) reduced to sliding(W+R) (the proof holds for every
+    window): vLLM's skipped count ``max(0, n - W + 1 - R)`` equals the
+    model's for window ``W + R``, and a step continuing the prefill from ``a``
+    with ``l <= R`` positions computed again reads from ``lo_W(a - l)``, never
+    below ``lo_{W+R}(a)``. And the slip: freeing on ``n - W + 1`` frees a
+    block such a step reads (sat, with its values)."""
+    n, a, lead, W, R, B, q = z3.Ints("n a lead W R B q")
+    ar = Arith(B, z3.Int("C"), z3.Int("M"))
+    hyps = [W >= 1, R >= 0]
+    out = [_valid("retained: vLLM's rule is sliding(W+R)'s", hyps + [n >= 0],
+                  z3.If(n <= 0, 0, zmax(0, n - W + 1 - R)) == skipped("sliding", n, W + R, ar),
+                  ar),
+           _valid("retained: a re-prefilling step reads inside sliding(W+R)",
+                  hyps + [a >= 0, lead >= 0, lead <= R, lead <= a],
+                  zmax(0, a - lead - W + 1) >= window_lo("sliding", a, W + R, ar), ar)]
+    # the slip: the settled count n, a block [q*B, (q+1)*B) freed by the rule
+    # that forgets R, and the next chunk (from n, R positions again) reading it
+    t0 = time.perf_counter()
+    sol = z3.Solver()
+    sol.set(timeout=STEP_TIMEOUT_MS)
+    sol.add(W >= 1, R >= 1, B >= 1, B <= 64, n >= R, q >= 0, (q + 1) * B <= n - W + 1,
+            zmax(0, n - R - W + 1) < (q + 1) * B)
+    r = sol.check()
+    cti = ""
+    if r == z3.sat:
+        m = sol.model()
+        cti = ", ".join(f"{v}={m.eval(v, model_completion=True)}" for v in (B, W, R, n, q))
+    out.append(StepCheck("retained: the rule forgetting R frees a block a chunk reads",
+                         "proved" if r == z3.sat else _status(r), time.perf_counter() - t0,
+                         cti=cti))
+    return out
+
+
 # ===================================================================== proving
 
 DEFAULT_PROP2 = {("mamba-local", "sliding")}  # refute with a rejection (spec tokens)
@@ -640,6 +684,7 @@ def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
         r = prove(via, policy, rule, search, prop)
         return replace(r, kind=kind, covers=f"{note}; {via}'s proof covers: {r.covers}")
     t0 = time.perf_counter()
+    custom = rule is not None
     lemmas = _lemma_names(kind)
     covers = covers_text(kind, lemmas)
     bad_lemmas = [r.name for r in prove_lemmas() if r.status != "proved" and r.name in lemmas]
@@ -652,6 +697,9 @@ def prove(kind: str, policy: str, rule: Rule | None = None, search: bool = True,
     except PolicyNotSymbolic as e:
         return ProofResult(kind, policy, "unknown", time.perf_counter() - t0, covers, None,
                            str(e))
+    if KIND_CLASSES[kind].retains_tokens and not custom:
+        checks = [*checks, *retained_checks()]
+        covers = f"{RETAINED_NOTE}; {covers}"
     steps = "; ".join(f"{c.transition} {c.seconds:.2f}s" for c in checks)
     if all(c.status == "proved" for c in checks) and not bad_lemmas:
         return ProofResult(kind, policy, "proved", time.perf_counter() - t0, covers, None,

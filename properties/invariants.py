@@ -44,6 +44,7 @@ from model.observations import (
     AllocObs,
     FinishObs,
     FreeObs,
+    MoveObs,
     Observed,
     ProcessObs,
     ReqStep,
@@ -82,6 +83,11 @@ WITNESSES = {
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",
+    "state_block_moved": "a Mamba speculative state block relocated past the new running state",
+    "checkpoint_near_rejection": "a draft rejection rolling a Mamba request back below the "
+                                 "block edge whose state its step checkpointed",
+    "reprefill_reach": "a prefill chunk whose drafter computes the last chunk's positions again "
+                       "and so reads a block below its own window (retained tokens)",
 }
 
 
@@ -111,10 +117,17 @@ class _Pending:
     shift: int = 0  # positions it computes moved down by rejections of earlier steps
     dead: bool = False  # output will be discarded (preempted / failed / ended)
     tainted: str = ""  # what it read that a failed load left without KV (output must not count)
+    lead: int = 0  # positions below its start it computes again (Kind.reprefill)
 
     @property
     def start(self) -> int:
         return self.rs.start - self.shift
+
+    @property
+    def reads_from(self) -> int:
+        """The lowest position whose window it reads: its start, or the start
+        of the positions a lagging drafter computes again."""
+        return self.rs.start - self.shift - self.lead
 
     @property
     def end(self) -> int:
@@ -130,6 +143,7 @@ class _Req:
     last_freeable: dict[int, int] = field(default_factory=dict)
     stopped: bool = False  # preempted / waiting since the last time it ran
     loaded: tuple[int, int] | None = None  # positions its last connector load covers
+    chunk: tuple[int, int] | None = None  # its last scheduled step's positions, while running
 
 
 def twin_config(cfg: Config) -> Config | None:
@@ -179,6 +193,10 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("prefix_hit")
         if max(cfg.block_sizes) > cfg.hash_block_size:
             out.add("fine_grained_hit")
+    if any(g.spec.reprefill() for g in cfg.groups):
+        out.add("reprefill_reach")
+    if cfg.spec_tokens and any(g.spec.holds_state for g in cfg.groups):
+        out.add("checkpoint_near_rejection")
     return out
 
 
@@ -231,7 +249,11 @@ class Checker:
         # requests that also agree on the next token (what vLLM's hit drop and
         # lookahead hashes are for). Past the prompt, tokens are the request's
         # own outputs and drafts: keyed by position as in every other group.
-        self._lookahead_group = 0 if cfg.drafter == "eagle" else None
+        self._lookahead_group = 0 if cfg.drafter in ("eagle", "mtp") else None
+        # positions a step continuing a prefill computes again (a multi-module
+        # MTP drafter's retained tokens), the most over the groups
+        self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
+        self._mamba = any(g.spec.holds_state for g in cfg.groups)
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
@@ -263,6 +285,8 @@ class Checker:
                 self._free(item)
             elif isinstance(item, AllocObs):
                 self._alloc(item)
+            elif isinstance(item, MoveObs):
+                self._move(item)
             elif isinstance(item, StepObs):
                 self._step(item)
             elif isinstance(item, ProcessObs):
@@ -324,7 +348,7 @@ class Checker:
             for pp in step:
                 if pp.rs.rid != rid:
                     continue
-                out.append((pp, max(0, pp.start - (0 if pp.dead else rollback)), pp.end))
+                out.append((pp, max(0, pp.reads_from - (0 if pp.dead else rollback)), pp.end))
                 if not pp.dead:
                     rollback += pp.rs.spec
         return out
@@ -356,6 +380,14 @@ class Checker:
             if any(x < x1 and y > x0 for x, y in reads(g, t, P)):
                 return t
         return None
+
+    @staticmethod
+    def _fmt_retained(g: Group, p: int) -> str:
+        R = g.spec.reprefill()
+        if not R:
+            return ""
+        return (f", and the next prefill chunk computes [{max(0, p - R)}, {p}) again, reading "
+                f"from {g.spec.lo(max(0, p - R))}")
 
     @staticmethod
     def _fmt_reads(g: Group, t: int, P: int | None) -> str:
@@ -391,6 +423,24 @@ class Checker:
         self.refs[a.block] = n + 1
         if n == 0:
             self._owned += 1
+
+    def _move(self, m: MoveObs) -> None:
+        """A block moved between two slots of its request (Mamba's speculative
+        blocks, relocated past the new running state): it stays held, its old
+        slot reads NULL from now on (a step that still reads it there is
+        property 2's), its new slot must have been empty."""
+        old, new = (m.rid, m.group, m.logical), (m.rid, m.group, m.to)
+        if self.holder.get(old) != m.block:
+            self._v(3, f"{m.rid} moved block {m.block} from logical {m.logical} (group "
+                       f"{m.group}), which it does not hold there", rid=m.rid, block=m.block)
+            return
+        if self.holder.get(new, NULL) != NULL:
+            self._v(3, f"{m.rid} moved block {m.block} to logical {m.to} (group {m.group}), "
+                       f"where it holds block {self.holder[new]}", rid=m.rid, block=m.block)
+            return
+        del self.holder[old]
+        self.holder[new] = m.block
+        self.witness["state_block_moved"] += 1
 
     def _free(self, f: FreeObs) -> None:
         self._let_go.add(f.rid)
@@ -453,7 +503,8 @@ class Checker:
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
-                       f"{self._fmt_reads(g, p, P)} ({g.label()})", rid=f.rid, block=f.block)
+                       f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} ({g.label()})",
+                    rid=f.rid, block=f.block)
 
     def _check_returned(self, f: FreeObs) -> None:
         """A block went back to the pool (request-level): no unprocessed step
@@ -465,7 +516,7 @@ class Checker:
                         continue
                     g = self.cfg.groups[gi]
                     P = self.prompt_len.get(pp.rs.rid)
-                    for lg in read_blocks(g, pp.start, pp.end, self.Bs[gi], P):
+                    for lg in read_blocks(g, pp.reads_from, pp.end, self.Bs[gi], P):
                         if lg < len(table) and table[lg] == f.block:
                             self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
                                        f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
@@ -494,6 +545,17 @@ class Checker:
             if rs.loaded:
                 req.loaded = (rs.start - rs.loaded, rs.start)
             pp = _Pending(s.step, rs)
+            # a step continuing the request's prefill where its last chunk
+            # ended: a lagging drafter computes that chunk's last positions again
+            P = self.prompt_len.get(rs.rid)
+            if self._reprefill and req.chunk is not None and req.chunk[1] == rs.start \
+                    and P is not None and 0 < rs.start < P:
+                pp.lead = min(self._reprefill, rs.start - req.chunk[0])
+                if any(g.spec.reprefill() and g.spec.lo(pp.reads_from) // self.Bs[gi]
+                       < g.spec.lo(rs.start) // self.Bs[gi]
+                       for gi, g in enumerate(self.cfg.groups)):
+                    self.witness["reprefill_reach"] += 1
+            req.chunk = (rs.start, rs.end)
             self._check_reads(pp, "scheduled")
             P = self.prompt_len.get(rs.rid)
             if (self._held_groups and rs.start >= self.B
@@ -542,7 +604,7 @@ class Checker:
     def _check_reads(self, pp: _Pending, when: str) -> None:
         rs = pp.rs
         rid, tables = rs.rid, rs.tables
-        start, end = pp.start, pp.end
+        start, end = pp.reads_from, pp.end
         held = self.holder.get
         P = self.prompt_len.get(rid)
         for gi, g in enumerate(self.cfg.groups):
@@ -613,7 +675,7 @@ class Checker:
             g = self.cfg.groups[gi]
             B = self.Bs[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
-            for blk, lg, x, y in self._cache_ranges(g, B, table, a, P):
+            for blk, lg, x, y in self._cache_ranges(g, B, table, a, P, pp.lead):
                 ok = self._ok.setdefault(rid if lg is not None else "", {})
                 v = ver.get(blk, 0)
                 seen = ok.get((blk, lg))
@@ -654,14 +716,20 @@ class Checker:
         return prefix_key(P, q, V)
 
     @staticmethod
-    def _cache_ranges(g: Group, B: int, table: tuple[int, ...], a: int, P: int):
+    def _cache_ranges(g: Group, B: int, table: tuple[int, ...], a: int, P: int,
+                      lead: int = 0):
         """The slots a step starting at ``a`` reads from the cache through
         ``table`` (blocks of ``B`` tokens), per block as ``(block, logical or
         None for the sink, first offset, end offset)``: the sink's reserved
-        blocks, then its window below ``a`` (NULL slots left to the NULL check)."""
+        blocks, then its window below ``a`` (NULL slots left to the NULL
+        check); with ``lead``, also the positions ``[a - lead, a)`` it computes
+        again and their windows."""
         for blk in g.spec.reserved_blocks(B):
             yield blk, None, 0, B
-        for x0, x1 in cached_reads(g, a, P):
+        ranges = cached_reads(g, a, P)
+        if lead and a - lead > 0:
+            ranges = ((cached_reads(g, a - lead, P) or ((a - lead, a),))[0][0], a),
+        for x0, x1 in ranges:
             for lg in range(x0 // B, min(-(-x1 // B), len(table))):
                 blk = table[lg]
                 if blk != NULL:
@@ -726,6 +794,8 @@ class Checker:
             if rejected > 0:
                 if req.window_freed:
                     self.witness["rollback_near_free"] += 1
+                if self._mamba and (pp.end - rejected - 1) // self.B < (pp.end - 1) // self.B:
+                    self.witness["checkpoint_near_rejection"] += 1
                 tables = pp.rs.tables
                 self._write(rid, tables, pp.end - rejected, pp.end, po.step,
                             f"the KV of a draft step {po.step} computed and the output rejected")
@@ -806,6 +876,7 @@ class Checker:
 
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
+        self.reqs[rid].chunk = None
         live = self._live_pending(rid)
         if preempted and live:
             self.witness["preempt_in_flight"] += 1

@@ -138,8 +138,10 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         # async (depth 2, vLLM's default) about half the time: the situations the
         # invariants are about need a step in flight, and PP depths stagger decodes
         depth = spec.depth or draw(st.one_of(st.just(2), st.integers(1, 4)))
-        # an EAGLE drafter proposes at least one token
+        # an EAGLE drafter proposes at least one token; a multi-module MTP
+        # drafter a multiple of its modules (model.events.MTP_MODULES)
         spec_tokens = spec.spec_tokens if spec.spec_tokens is not None else draw(
+            st.sampled_from([2, 4]) if spec.drafter == "mtp" else
             st.integers(0 if spec.drafter == "ngram" else 1, 3))
         hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())

@@ -87,6 +87,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "sliding window's skipped-token count one too high (window of W-1)",
         ("--kind", "sliding", "--depth", "1"), frozenset({1, 2})),
     Mutant(
+        "swa-drops-retained-tokens", CORE + "single_type_kv_cache_manager.py",
+        "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
+        "num_computed_tokens - self.sliding_window + 1",
+        "a sliding window frees the tokens it retains for a multi-module MTP drafter, whose "
+        "next prefill chunk computes them again",
+        ("--kind", "sliding", "--drafter", "mtp", "--prefix-caching", "off", *_ASYNC),
+        frozenset({1, 2})),
+    Mutant(
         "chunk-boundary-early", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens // self.attention_chunk_size\n        ) * self.attention_chunk_size",
         "(num_computed_tokens + 1) // self.attention_chunk_size\n"
@@ -108,6 +116,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "Mamba's align mode retires the previous state block while the step that copies "
         "it is still in flight",
         ("--kind", "mamba", *_ASYNC), frozenset({1, 2})),
+    Mutant(
+        "mamba-align-relocates-running-state", CORE + "single_type_kv_cache_manager.py",
+        "                        if block_idx < num_skipped_blocks - checkpoint_block:\n",
+        "                        if block_idx <= num_skipped_blocks - checkpoint_block:\n",
+        "Mamba's align mode relocates one speculative block too many with drafts: the slot "
+        "of the new running state, which the step writes",
+        ("--kind", "mamba", "--spec-tokens", "2", "--no-external", *_ASYNC), frozenset({2, 3})),
     Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",

@@ -96,6 +96,21 @@ def test_settled_is_proved_for_every_kind(kind):
     assert named and set(named) <= proved, set(named) - proved
 
 
+def test_retained_tokens_reduce_to_a_wider_window():
+    """sliding(W, R) frees as sliding(W+R) and a re-prefilling chunk reads
+    inside its windows (both valid for all W, R); forgetting R is refuted
+    with values."""
+    from model.proof import retained_checks
+
+    same, inside, slip = retained_checks()
+    assert same.status == inside.status == "proved"
+    assert slip.status == "proved" and "R=" in slip.cti
+    r = prove("sliding", "settled")
+    assert [c.transition for c in r.checks][-3:] == [same.transition, inside.transition,
+                                                     slip.transition]
+    assert "retained tokens" in r.covers
+
+
 def test_the_invariant_states_both_properties():
     from model.z3model import make_params, safety_invariant
 

@@ -23,6 +23,7 @@ from model.events import (
     Preempt,
     Process,
     Schedule,
+    Trace,
     config_for,
 )
 from model.observations import NULL, FinishObs, FreeObs, Observed, ProcessObs, StepObs
@@ -350,7 +351,8 @@ def test_mamba_runs_in_align_mode_and_keeps_only_the_last_state_of_a_chunk():
 
 
 @pytest.mark.parametrize("over,why", [({"prefix_caching": False}, "max_model_len"),
-                                      ({"spec_tokens": 2}, "relocate speculative")])
+                                      ({"spec_tokens": 16, "max_num_batched_tokens": 64},
+                                       "fewer drafts than the block size")])
 def test_mamba_layouts_vllm_does_not_build_are_refused(over, why):
     kw = dict(block_size=16, prefix_caching=True, spec_tokens=0, depth=2)
     kw.update(over)
@@ -366,10 +368,52 @@ def test_pinned_options_fill_what_is_drawn_and_refuse_what_contradicts():
     caps = target(FIXED).capabilities
     spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled")
     fit_spec("vllm", caps, spec)
-    assert (spec.prefix_caching, spec.spec_tokens) == (True, 0)
-    spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled", spec_tokens=1)
-    with pytest.raises(Unsupported, match="--spec-tokens 0"):
+    assert (spec.prefix_caching, spec.spec_tokens) == (True, None)
+    spec = FuzzSpec(target="vllm@" + FIXED, kind="mamba", policy="settled",
+                    prefix_caching=False)
+    with pytest.raises(Unsupported, match="--prefix-caching on"):
         fit_spec("vllm", caps, spec)
+
+
+def test_mamba_drafts_hold_a_state_block_each_and_relocation_is_a_move():
+    """Align mode with two drafts: a step's table reaches two slots past its
+    running state (num_speculative_blocks), and when a prefill chunk moves the
+    running state two blocks on, the speculative block left behind moves to
+    the end of the table (_relocate_speculative_block): a MoveObs, the old
+    slot NULL, no reference dropped, and every property holds."""
+    from model.observations import MoveObs
+    from properties.replay import replay
+
+    cfg = config_for("mamba", block_size=16, prefix_caching=True, spec_tokens=2,
+                     max_num_batched_tokens=48, depth=1, max_model_len=96)
+    # r0 takes 32 of the budget, so r1's first chunk is one block; its second
+    # chunk then moves its running state from slot 0 to slot 2
+    evs = [AddRequest("r0", 40, 4), AddRequest("r1", 64, 4, variant=1), Schedule(),
+           Process(), Schedule()]
+    obs = run(FIXED, cfg, evs)
+    first = {r.rid: r for r in step_of(obs[2]).reqs}["r1"]
+    assert (first.start, first.end) == (0, 16) and len(first.tables[0]) == 1 + 2
+    moves = [it for it in obs[4].items if isinstance(it, MoveObs)]
+    assert [(m.rid, m.logical, m.to) for m in moves] == [("r1", 1, 3)]
+    second = {r.rid: r for r in step_of(obs[4]).reqs}["r1"]
+    assert (second.start, second.end) == (16, 48)
+    assert second.tables[0][1] == NULL and second.tables[0][3] == first.tables[0][1]
+    assert len(second.tables[0]) == 48 // 16 + 2
+    assert replay(Trace(cfg, evs), "vllm@" + FIXED).first is None
+
+
+@pytest.mark.parametrize("drafter,kept", [("ngram", False), ("mtp", True)])
+def test_a_multi_module_mtp_drafter_makes_sliding_windows_retain_tokens(drafter, kept):
+    """drafter=mtp (two MTP modules, two drafts): vLLM's planner gives the
+    sliding window extra_retained_tokens = 1, so at a settled count of 32 a
+    17-token window keeps block 0 (skipped 15), which it frees without."""
+    cfg = config_for("sliding", window=17, block_size=16, spec_tokens=2, drafter=drafter,
+                     max_num_batched_tokens=16, depth=1, max_model_len=96)
+    assert cfg.groups[0].retained == (1 if kept else 0)
+    obs = run(FIXED, cfg, [AddRequest("r0", 64, 2), Schedule(), Process(), Schedule(),
+                           Process(), Schedule()])
+    freed = [it.logical for it in obs[5].items if isinstance(it, FreeObs)]
+    assert freed == ([] if kept else [0])
 
 
 # ------------------------------------------------ layouts vLLM's planner builds

@@ -31,9 +31,12 @@ How a config runs
   cannot state (groups merged or reordered, block sizes, scheduler or hash
   block other than the config's) is refused with one line. vLLM's NULL block is id 0
   in every supported release. Mamba runs in ``mamba_cache_mode="align"``
-  (prefix caching on, no drafts), its page padded to the attention page as a
-  hybrid model's config does; ``"none"`` mode (one block of
-  ``max_model_len``) and drafts in align mode are refused.
+  (prefix caching on), its page padded to the attention page as a
+  hybrid model's config does, with a state block per draft token
+  (``num_speculative_blocks``); ``"none"`` mode (one block of
+  ``max_model_len``) is refused, and so are as many drafts as a block has
+  tokens. A speculative block ``_relocate_speculative_block`` moves past the
+  new running state is a MoveObs.
 * depth 1: ``Scheduler`` (no async scheduling); depth 2: ``AsyncScheduler``;
   depth 3-4: where the release allows it (0.33: Model Runner V2),
   ``AsyncScheduler`` with ``pipeline_parallel_size = depth - 1``
@@ -47,7 +50,11 @@ How a config runs
   engine's ``post_step`` path, ``update_draft_token_ids`` with K drafts for the
   step's running requests (vLLM drops them for prefill chunks). 0.33 then sets
   its own token budget net of draft slots, and pads a request's first decode
-  in a decode batch to 1 + K tokens.
+  in a decode batch to 1 + K tokens. ``drafter`` ``eagle`` / ``mtp``:
+  ``SpeculativeConfig(method="eagle" | "mtp")`` over ``tiny-eagle`` /
+  ``tiny-mtp`` (two MTP modules: a multi-module MTP drafter, whose prefill
+  lookahead of K gives sliding windows ``extra_retained_tokens = K - 1``), a
+  draft layer in the first group.
 * hazard ``unordered``: our connector as a KV consumer (``kv_role="kv_consumer"``,
   ``kv_load_failure_policy="recompute"``), which also turns on vLLM's deferred
   frees (``defer_block_free``) when two or more batches are in flight. No
@@ -404,9 +411,6 @@ class VllmTarget:
                 ("prefix_caching", True, "without prefix caching vLLM sizes a Mamba block to "
                  "max_model_len ('none' mode), a layout with one slot per request; fuzz "
                  "Mamba with --prefix-caching on ('align' mode)"),
-                ("spec_tokens", 0, "drafts in vLLM's Mamba 'align' mode move speculative "
-                 "blocks inside the block table, which the checker does not model yet; "
-                 "use --spec-tokens 0"),
             )},
             notes=(
                 "config.policy is ignored: vLLM implements fixed_policy",

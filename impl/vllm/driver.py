@@ -60,6 +60,7 @@ from model.observations import (
     Counters,
     FinishObs,
     FreeObs,
+    MoveObs,
     Observed,
     ProcessObs,
     ReqCounters,
@@ -75,7 +76,12 @@ MODEL_DIR = Path(__file__).resolve().parent / "tiny-model"
 # an EAGLE draft model's config (one Llama layer, no weights): vLLM wraps it as
 # EagleLlamaForCausalLM when SpeculativeConfig(method="eagle") reads it
 EAGLE_DIR = Path(__file__).resolve().parent / "tiny-eagle"
-DRAFT_LAYER = "draft"  # the EAGLE draft layer's name in the layer specs
+# a DeepSeek-V3 config with two MTP modules (num_nextn_predict_layers, no
+# weights): SpeculativeConfig(method="mtp") over it is a multi-module MTP
+# drafter (use_multi_module_mtp), whose prefill lookahead of spec_tokens makes
+# vLLM's planner give every sliding window spec_tokens - 1 retained tokens
+MTP_DIR = Path(__file__).resolve().parent / "tiny-mtp"
+DRAFT_LAYER = "draft"  # the EAGLE / MTP draft layer's name in the layer specs
 MODEL_MAX_LEN = 131072  # the tiny model's max_position_embeddings
 # an encoder-decoder model (a tiny Whisper: config, a byte-level tokenizer and a
 # feature extractor, no weights), for cross attention: its max_source_positions,
@@ -230,9 +236,10 @@ class Driver:
             cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
         kw: dict[str, Any] = {}
         parallel = c["ParallelConfig"](pipeline_parallel_size=pp)
-        if not probe and cfg.spec_tokens and cfg.drafter == "eagle":
+        if not probe and cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
             kw["speculative_config"] = c["SpeculativeConfig"](
-                method="eagle", model=str(EAGLE_DIR), num_speculative_tokens=cfg.spec_tokens,
+                method=cfg.drafter, model=str(EAGLE_DIR if cfg.drafter == "eagle" else MTP_DIR),
+                num_speculative_tokens=cfg.spec_tokens,
                 target_model_config=model, target_parallel_config=parallel,
             )
         elif not probe and cfg.spec_tokens:
@@ -303,16 +310,21 @@ class Driver:
             raise ConfigUnsupported(
                 "without prefix caching vLLM sizes a Mamba block to max_model_len "
                 "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
-        if cfg.spec_tokens:
+        if cfg.spec_tokens >= B:
+            # then a decode moves the running state more than one block, and
+            # the state a rejection leaves may sit in a relocated slot
             raise ConfigUnsupported(
-                "drafts in vLLM's Mamba 'align' mode relocate speculative blocks inside "
-                "the block table (_relocate_speculative_block), not modeled yet")
+                f"{cfg.spec_tokens} drafts with {B}-token Mamba blocks: the checker models "
+                f"Mamba's speculative state slots for fewer drafts than the block size")
         # a hybrid model's config pads the Mamba page to the attention
         # page (HybridAttentionMambaModelConfig), so both share one pool
         pad = (kvi.FullAttentionSpec(**common).page_size_bytes
                if any(not o.spec.holds_state for o in cfg.groups) else None)
+        # a state block per draft token, as a Mamba layer's spec has it
+        # (MambaBase.get_kv_cache_spec: num_speculative_tokens)
         return spec_cls(block_size=B, shapes=((8,),), dtypes=(self.torch.float32,),
-                        mamba_cache_mode="align", page_size_padded=pad)
+                        mamba_cache_mode="align", page_size_padded=pad,
+                        num_speculative_blocks=cfg.spec_tokens)
 
     def _chunked_one_size(self) -> bool:
         """Whether this release's chunked-local prefix lookup asserts that its
@@ -344,8 +356,8 @@ class Driver:
         specs = {f"layer{i}": self._group_spec(g, cfg, i)
                  for i, g in enumerate(cfg.groups)}
         want = [(name,) for name in specs]
-        if cfg.spec_tokens and cfg.drafter == "eagle":
-            # EAGLE's draft layer, of the first group's spec: vLLM's planner
+        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
+            # EAGLE's (MTP's) draft layer, of the first group's spec: vLLM's planner
             # groups it with layer0 and (0.33) marks that group an EAGLE group
             first = specs["layer0"]
             specs[DRAFT_LAYER] = (dataclasses.replace(first, is_draft=True)
@@ -377,6 +389,12 @@ class Driver:
                 f"vllm {self.version} plans group block sizes {sizes}, scheduler block "
                 f"{block_size}, hash block {hash_block_size}; the config states "
                 f"{stated[0]}, {stated[1]}, {stated[2]}")
+        retained = [getattr(g.kv_cache_spec, "extra_retained_tokens", 0)
+                    for g in kvc.kv_cache_groups]
+        if retained != [g.retained for g in cfg.groups]:
+            raise ConfigUnsupported(
+                f"vllm {self.version} plans retained tokens {retained} per group; the config "
+                f"says {[g.retained for g in cfg.groups]}")
         if kvc.num_blocks != cfg.num_blocks:
             raise ConfigUnsupported(
                 f"vllm {self.version} plans {kvc.num_blocks} blocks, not {cfg.num_blocks}")
@@ -593,6 +611,29 @@ class Driver:
 
         mgr.pop_blocks_for_free = pop_blocks_w
 
+        relocate = getattr(mgr, "_relocate_speculative_block", None)
+        if relocate is not None:
+            def relocate_w(req_blocks: list[Any], block_idx: int) -> Any:
+                rid = next((r for r, bl in mgr.req_to_blocks.items() if bl is req_blocks), None)
+                b = req_blocks[block_idx]
+                ret = relocate(req_blocks, block_idx)
+                tab = self.table.get(rid, [None])[g] if rid is not None else None
+                pid = self._pid(b)
+                if tab is None or block_idx >= len(tab) or tab[block_idx] != pid:
+                    raise InstrumentationError(
+                        f"a speculative Mamba block {pid} (group {g}) relocated from a slot "
+                        f"kvcheck did not see it at")
+                to = len(req_blocks) - 1
+                tab[block_idx] = NULL
+                for slot in range(len(tab), to):  # NULL slots allocate_new_blocks padded
+                    tab.append(NULL if req_blocks[slot].is_null
+                               else self._pid(req_blocks[slot]))
+                tab.append(pid)
+                self.items.append(MoveObs(pid, g, rid, block_idx, to))
+                return ret
+
+            mgr._relocate_speculative_block = relocate_w
+
     # ------------------------------------------------------ attributing frees
 
     def _pid(self, b: Any) -> int:
@@ -640,10 +681,16 @@ class Driver:
             tab.extend([NULL] * (n - len(tab)))
         for slot in range(n, len(after)):
             b = after[slot]
+            pid = NULL if b.is_null else self._pid(b)
+            if slot < len(tab):  # seen already: a relocated speculative block
+                if tab[slot] != pid:
+                    raise InstrumentationError(
+                        f"request {rid} group {g} slot {slot} holds {pid}, observations say "
+                        f"{tab[slot]}")
+                continue
             if b.is_null:
                 tab.append(NULL)
                 continue
-            pid = self._pid(b)
             tab.append(pid)
             live[g] += 1
             self.items.append(AllocObs(pid, g, rid, slot, cached=id(b) not in self.fresh))
