@@ -145,6 +145,7 @@ class Grid:
     violations: list[Violation] = field(default_factory=list)
     crash: str | None = None
     first_index: int = 0  # the trace index of the first event shown (rows before are not)
+    first_row: int = 0  # the replay row (``ReplayResult.rows``) of grid row 0
     _by_row: tuple[int, dict[int, list[ReadWindow]]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
@@ -417,7 +418,7 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     lanes = [ln for ln in lanes if (ln.rid, ln.group) in used]
     return Grid(cfg, target or res.trace.meta.get("target", "reference"), lanes, rows, cells,
                 windows, mark, width, list(res.violations), res.crash,
-                res.rows[first].index if first < len(res.rows) else 0)
+                res.rows[first].index if first < len(res.rows) else 0, first)
 
 
 def _cell_cache():
@@ -578,7 +579,7 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
             names = ", ".join(same[:UNCHANGED_NAMED]) + (f" and {more} more" if more > 0 else "")
             out.append(f"          (unchanged: {names})")
         if bad:
-            for v in res.rows[r].violations:
+            for v in res.rows[grid.first_row + r].violations:
                 out.append(f">>        VIOLATION {v}")
             if m.logical is not None:
                 wu = grid.freed_under_window()
