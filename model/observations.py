@@ -108,6 +108,8 @@ class ReqCounters:
 class Counters:
     free_blocks: int  # blocks in the pool's free queue (cached-but-free included)
     total_blocks: int  # the pool, NULL block included
+    # every request not finished; a finished one until the event in which it
+    # holds no block any more (status "finished"), then it is no longer listed
     reqs: dict[str, ReqCounters] = field(default_factory=dict)
     bound: tuple[int, ...] = ()  # per group: the live-block bound the target sizes for
 

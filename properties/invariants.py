@@ -201,7 +201,11 @@ def expected_witnesses(cfg: Config) -> set[str]:
 
 
 class Checker:
-    def __init__(self, cfg: Config):
+    """Checks one run, fed event by event (:meth:`feed`). ``content=False``
+    keeps no slot contents (property 2's content rule is not judged): for a
+    shadow that only follows a run already checked, as the report's does."""
+
+    def __init__(self, cfg: Config, content: bool = True):
         self.cfg = cfg
         self.B = cfg.block_size  # the unit of FailLoad's first_bad_block
         self.Bs = cfg.block_sizes  # per group: tokens per logical block
@@ -209,11 +213,15 @@ class Checker:
             else (False,) * len(self.Bs)
         self.pending: list[list[_Pending]] = []  # unprocessed steps, oldest first
         self.pending_ids: list[int] = []
+        # per request until it is retired (:meth:`_retire`: it ended, and no step
+        # in flight, block, or deferred free names it any more)
         self.reqs: dict[str, _Req] = defaultdict(_Req)
         self.holder: dict[tuple[str, int, int], int] = {}  # (rid, group, logical) -> block
+        self._nheld: Counter[str] = Counter()  # rid -> its holder and detached entries
+        self._ending: set[str] = set()  # ended, not yet retired
         self.refs: Counter[int] = Counter()  # block -> references held
         self._owned = 0  # blocks with refs > 0, kept in step with self.refs
-        self._any_deferred = False  # some request may have deferred window frees
+        self._deferring: set[str] = set()  # requests with window frees judged later
         self._scheduling = False  # the event being fed is a Schedule
         self._let_go: set[str] = set()
         self.last_owner: dict[int, str] = {}
@@ -240,7 +248,8 @@ class Checker:
         self.prompt_len: dict[str, int] = {}
         self.variant: dict[str, int] = {}  # prompt variants other than 0
         self._kv_groups = tuple(gi for gi, g in enumerate(cfg.groups)
-                               if not g.spec.holds_state and g.spec.reads_positions)
+                                if not g.spec.holds_state and g.spec.reads_positions
+                                and content)
         # groups read whole by every step and held to the request's end (ring, cross)
         self._held_groups = tuple(gi for gi, g in enumerate(cfg.groups)
                                   if not g.spec.reads_positions)
@@ -270,6 +279,8 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
+        if self._ending:  # requests that ended in earlier events (still shown after theirs)
+            self._retire()
         self._scheduling = isinstance(event, Schedule)
         self._let_go: set[str] = set()  # requests that dropped a reference in this event
         if isinstance(event, AddRequest):
@@ -293,22 +304,43 @@ class Checker:
                 self._process(item)
             elif isinstance(item, FinishObs):
                 self.reqs[item.rid].ended = True
+                self._ending.add(item.rid)
                 self._ok.pop(item.rid, None)
                 self.mark_dead(item.rid)
-        if self._any_deferred:
-            left = False
-            for rid, req in self.reqs.items():
-                if req.deferred:
-                    if req.p is not None and not self._live_pending(rid):
-                        for f in req.deferred:
-                            self._check_window_free(f, req.p)
-                        req.deferred.clear()
-                    else:
-                        left = True
-            self._any_deferred = left
+        if self._deferring:
+            # in the requests' order (the order their violations are reported in)
+            for rid in [r for r in self.reqs if r in self._deferring]:
+                req = self.reqs[rid]
+                if not req.deferred:
+                    self._deferring.discard(rid)
+                elif req.p is not None and not self._live_pending(rid):
+                    for f in req.deferred:
+                        self._check_window_free(f, req.p)
+                    req.deferred.clear()
+                    self._deferring.discard(rid)
         if obs.counters is not None:
             self._counters(obs)
         return self.violations[before:]
+
+    def _retire(self) -> None:
+        """Forget the requests that ended and that nothing names any more: no
+        unprocessed step (dead or not) has a part of theirs, they hold no slot
+        and owe no deferred free. What blocks hold stays (``content``, keyed by
+        block): a prefix hit of a later request reads it."""
+        named = {pp.rs.rid for step in self.pending for pp in step}
+        for rid in list(self._ending):
+            req = self.reqs.get(rid)
+            if rid in named or self._nheld[rid] or (req is not None and req.deferred):
+                continue
+            self._ending.discard(rid)
+            self.reqs.pop(rid, None)
+            self._nheld.pop(rid, None)
+            self.prompt_len.pop(rid, None)
+            self.variant.pop(rid, None)
+            self._ok.pop(rid, None)
+            self.failing.discard(rid)
+            self.fail_from.pop(rid, None)
+            self._deferring.discard(rid)
 
     def in_flight_steps(self) -> int:
         return len(self.pending)
@@ -419,6 +451,8 @@ class Checker:
                 self.bad.pop(a.block, None)
             self.content.pop(a.block, None)
             self._ver[a.block] = self._ver.get(a.block, 0) + 1
+        if key not in self.holder:
+            self._nheld[a.rid] += 1
         self.holder[key] = a.block
         self.refs[a.block] = n + 1
         if n == 0:
@@ -450,8 +484,12 @@ class Checker:
             # the old incarnation's deferred free, even if the re-admitted
             # request took the same block again (a prefix-cache hit)
             self.detached[dkey] -= 1
+            if not self.detached[dkey]:
+                del self.detached[dkey]
+            self._nheld[f.rid] -= 1
         elif self.holder.get(key) == f.block:
             del self.holder[key]
+            self._nheld[f.rid] -= 1
         else:
             self._v(3, f"{f.rid} returned block {f.block} (logical {f.logical}, group "
                        f"{f.group}, {f.reason}) that it does not hold (double free?)",
@@ -474,7 +512,7 @@ class Checker:
                 # freed while (re)entering a step: judged once the step shows
                 # where the request starts (prefix hit, load, recompute)
                 req.deferred.append(f)
-                self._any_deferred = True
+                self._deferring.add(f.rid)
         else:
             if n == 0 and self.cfg.hazard == "unordered":
                 self._check_returned(f)
@@ -638,9 +676,11 @@ class Checker:
             return
         content = self.content
         V = self.variant.get(rid, 0)
+        ver = self._ver
         for gi in self._kv_groups:
             B = self.Bs[gi]
             table = tables[gi] if gi < len(tables) else ()
+            plain = why is None and not V and gi != self._lookahead_group
             for lg in range(a // B, min(-(-e // B), len(table))):
                 blk = table[lg]
                 if blk == NULL:
@@ -648,9 +688,14 @@ class Checker:
                 c = content.get(blk)
                 if c is None:
                     c = content[blk] = [None] * B
-                self._ver[blk] = self._ver.get(blk, 0) + 1
+                ver[blk] = ver.get(blk, 0) + 1
                 base = lg * B
-                for q in range(max(a, base), min(e, base + B)):
+                lo, hi = max(a, base), min(e, base + B)
+                if plain:  # prefix_key of variant 0, inline (the common case)
+                    c[lo - base:hi - base] = [(q if q < P else (P, q), step, rid)
+                                              for q in range(lo, hi)]
+                    continue
+                for q in range(lo, hi):
                     c[q - base] = why or (self._key(gi, P, q, V), step, rid)
 
     def _check_content(self, pp: _Pending, when: str) -> None:
@@ -675,6 +720,7 @@ class Checker:
             g = self.cfg.groups[gi]
             B = self.Bs[gi]
             table = rs.tables[gi] if gi < len(rs.tables) else ()
+            plain = not V and gi != self._lookahead_group
             for blk, lg, x, y in self._cache_ranges(g, B, table, a, P, pp.lead):
                 ok = self._ok.setdefault(rid if lg is not None else "", {})
                 v = ver.get(blk, 0)
@@ -682,6 +728,23 @@ class Checker:
                 if seen is not None and seen[0] == v and seen[1] <= x and y <= seen[2]:
                     continue
                 c = content.get(blk)
+                if plain and lg is not None and c is not None:
+                    # prefix_key of variant 0, inline (the common case): only a
+                    # slot that differs is looked at again below
+                    base = lg * B
+                    good = True
+                    for o in range(x, y):
+                        got = c[o]
+                        q = base + o
+                        if (got is None or got.__class__ is str
+                                or got[0] != (q if q < P else (P, q))):
+                            good = False
+                            break
+                    if good:
+                        if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
+                            x, y = min(x, seen[1]), max(y, seen[2])
+                        ok[(blk, lg)] = (v, x, y)
+                        continue
                 for o in range(x, y):
                     want = (("sink", (blk - 1) * B + o) if lg is None
                             else self._key(gi, P, lg * B + o, V))
@@ -864,7 +927,7 @@ class Checker:
         flight). A later FreeObs is matched here, so a re-admitted request
         may take new blocks at the same slots meanwhile."""
         kept = [k for k in self.holder if k[0] == rid]
-        for key in kept:
+        for key in kept:  # (still counted in _nheld: a detached entry owes its free)
             self.detached[(*key, self.holder.pop(key))] += 1
         if not (preempted and self._scheduling):
             return

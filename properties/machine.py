@@ -296,9 +296,11 @@ class KVMachine(RuleBasedStateMachine):
         raise PropertyFailed(v, self.cfg, self.events)
 
     def _status(self, rid: str) -> str:
-        if self.counters is None or rid not in self.counters.reqs:
+        if self.counters is None:
             return "waiting"
-        return self.counters.reqs[rid].status
+        rc = self.counters.reqs.get(rid)
+        # every added request is in the counters until it has finished and left
+        return "finished" if rc is None else rc.status
 
     def _live(self) -> list[str]:
         return [r for r in self.added if self._status(r) != "finished"]

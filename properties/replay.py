@@ -74,8 +74,10 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
     last_counters = None
 
     def live() -> list[str]:
+        # the counters list every live request (a finished one leaves them), in
+        # the order the requests were added
         c = last_counters.reqs if last_counters is not None else {}
-        return [r for r in reqs if r not in c or c[r].status != "finished"]
+        return [r for r, rc in c.items() if rc.status != "finished" and r in reqs]
 
     def record(i: int, e: Event, o: Observed) -> bool:
         """Check what event ``e`` (of trace event ``i``) did; True: stop here."""

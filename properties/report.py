@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model.events import AddRequest, Config, Event, Schedule, Trace
-from model.observations import NULL, AllocObs, FreeObs, ProcessObs, StepObs
+from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
 from model.windows import read_blocks
 from properties.invariants import Checker, Violation
 from properties.replay import ReplayResult
@@ -145,6 +145,7 @@ class Grid:
     violations: list[Violation] = field(default_factory=list)
     crash: str | None = None
     first_index: int = 0  # the trace index of the first event shown (rows before are not)
+    first_row: int = 0  # the replay row (``ReplayResult.rows``) of grid row 0
     _by_row: tuple[int, dict[int, list[ReadWindow]]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
@@ -196,14 +197,16 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     unprocessed step may read, from the observations in ``res``. With
     ``shown``, only the last ``shown`` events (ending at the first violation)
     become rows: the ones before are followed, not drawn, so a long trace
-    costs time linear in its length and memory for the rows shown."""
+    costs time linear in its length and memory for the rows shown; requests
+    that finished before the first row shown (and hold nothing) are
+    forgotten, not drawn."""
     cfg = res.trace.config
     first = 0
     if shown is not None:
         bad = next((i for i, row in enumerate(res.rows) if row.violations), len(res.rows) - 1)
         first = max(0, bad + 1 - shown)
     tables: dict[tuple[str, int], tuple[int, ...]] = {}  # the latest, of rows not drawn
-    checker = Checker(cfg)
+    checker = Checker(cfg, content=False)  # follows the run; res holds the verdicts
     held: dict[tuple[str, int, int], int] = {}
     last: dict[tuple[str, int, int], int] = {}
     nulled: set[tuple[str, int, int]] = set()
@@ -216,6 +219,34 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     counters_seen: dict[str, object] = {}
     rids: list[str] = []
     rid_set: set[str] = set()
+    nheld: dict[str, int] = {}  # rid -> slots it holds (in ``held``)
+    ended: set[str] = set()  # finished in a row not drawn: forgotten once it holds nothing
+
+    def forget() -> None:
+        """Drop what is kept of the requests in ``ended`` that hold nothing."""
+        gone = {rid for rid in ended if not nheld.get(rid)}
+        if not gone:
+            return
+        ended.difference_update(gone)
+        for d in (last, held):
+            for key in [k for k in d if k[0] in gone]:
+                del d[key]
+        nulled.difference_update([k for k in nulled if k[0] in gone])
+        for blk in list(owners):
+            keep = {k for k in owners[blk] if k[0] not in gone}
+            if keep:
+                owners[blk] = keep
+            else:
+                del owners[blk]
+        for rid in gone:
+            nheld.pop(rid, None)
+            counters_seen.pop(rid, None)
+            for gi in range(len(cfg.groups)):
+                widths.pop((rid, gi), None)
+                tables.pop((rid, gi), None)
+        lanes[:] = [ln for ln in lanes if ln.rid not in gone]
+        rids[:] = [rid for rid in rids if rid not in gone]
+        rid_set.difference_update(gone)
 
     def lane_for(rid: str) -> None:
         if rid in rid_set:
@@ -231,12 +262,15 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         widths[(rid, gi)] = max(widths[(rid, gi)], n)
 
     mark: Mark | None = None
+    cell = _cell_cache()  # equal cells are one object (a long table's NULL run, row after row)
     for r0, row in enumerate(res.rows):
         ev = row.event
         if isinstance(ev, AddRequest):
             lane_for(ev.id)
         checker.feed(ev, row.obs)
         r = r0 - first  # the row drawn; < 0: followed, not drawn
+        if r == 0 or (r < 0 and len(ended) >= 256):
+            forget()
         if r == 0 and tables:  # the NULL slots of the tables the rows not drawn ended with
             for (rid, gi), table in tables.items():
                 for lg, blk in enumerate(table):
@@ -251,6 +285,8 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
             if isinstance(it, AllocObs):
                 key = (it.rid, it.group, it.logical)
                 grow(it.rid, it.group, it.logical + 1)
+                if key not in held:
+                    nheld[it.rid] = nheld.get(it.rid, 0) + 1
                 held[key] = it.block
                 last[key] = it.block
                 nulled.discard(key)
@@ -260,6 +296,7 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                 grow(it.rid, it.group, it.logical + 1)
                 if held.get(key) == it.block:
                     del held[key]
+                    nheld[it.rid] -= 1
                 owners.get(it.block, set()).discard(key)
                 last[key] = it.block
                 freed_now.add(key)
@@ -283,6 +320,8 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                             key = (rs.rid, gi, lg)
                             if blk == NULL and key not in held:
                                 nulled.add(key)
+            elif isinstance(it, FinishObs) and r < 0:
+                ended.add(it.rid)
             elif isinstance(it, ProcessObs) and r >= 0:
                 acc = ", ".join(f"{rid} accepted {n}" for rid, n in it.accepted)
                 extra = []
@@ -317,27 +356,28 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
             for lg in range(widths[(lane.rid, lane.group)]):
                 key = (lane.rid, lane.group, lg)
                 if key in held:
-                    cells.append(Cell("live", held[key]))
+                    cells.append(cell("live", held[key]))
                 elif key in freed_now:
-                    cells.append(Cell("freed", last.get(key)))
+                    cells.append(cell("freed", last.get(key)))
                 elif key in last:
                     b = last[key]
                     others = [k for k in owners.get(b, ()) if k != key]
                     if others:
-                        cells.append(Cell("reused", b, others[0][0]))
+                        cells.append(cell("reused", b, others[0][0]))
                     elif key in nulled:
-                        cells.append(Cell("null", b))
+                        cells.append(cell("null", b))
                     else:
-                        cells.append(Cell("released", b))
+                        cells.append(cell("released", b))
                 elif key in nulled:
-                    cells.append(Cell("null"))
+                    cells.append(cell("null"))
                 else:
-                    cells.append(Cell("none"))
+                    cells.append(cell("none"))
             snap[(lane.rid, lane.group)] = cells
         per_row_cells.append(snap)
 
         # the unprocessed steps' windows after this event
-        for rid in rids:
+        pend = {pp.rs.rid for st in checker.pending for pp in st}
+        for rid in [rid for rid in rids if rid in pend]:
             for pp, lo, hi in checker._may_read(rid):
                 for gi, g in enumerate(cfg.groups):
                     rb = read_blocks(g, lo, hi, cfg.group_block_size(gi),
@@ -378,7 +418,20 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     lanes = [ln for ln in lanes if (ln.rid, ln.group) in used]
     return Grid(cfg, target or res.trace.meta.get("target", "reference"), lanes, rows, cells,
                 windows, mark, width, list(res.violations), res.crash,
-                res.rows[first].index if first < len(res.rows) else 0)
+                res.rows[first].index if first < len(res.rows) else 0, first)
+
+
+def _cell_cache():
+    """``Cell(...)``, each distinct cell made once (cells are frozen)."""
+    cache: dict[tuple, Cell] = {}
+
+    def cell(*args) -> Cell:
+        c = cache.get(args)
+        if c is None:
+            c = cache[args] = Cell(*args)
+        return c
+
+    return cell
 
 
 def _locate(v: Violation, r: int, items, checker: Checker, cfg: Config) -> Mark:
@@ -526,7 +579,7 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
             names = ", ".join(same[:UNCHANGED_NAMED]) + (f" and {more} more" if more > 0 else "")
             out.append(f"          (unchanged: {names})")
         if bad:
-            for v in res.rows[r].violations:
+            for v in res.rows[grid.first_row + r].violations:
                 out.append(f">>        VIOLATION {v}")
             if m.logical is not None:
                 wu = grid.freed_under_window()

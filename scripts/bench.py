@@ -52,11 +52,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from model.events import AddRequest, Config, Event, Process, Schedule, Trace, config_for  # noqa: E402
-from model.observations import StepObs  # noqa: E402
+from model.observations import FinishObs, ProcessObs, StepObs  # noqa: E402
 
 SCHEMA = 1
 SECTIONS = ("step_cost", "fuzz_rate", "time_to_detect", "proof", "attention", "growth",
-            "profile")
+            "profile", "length")
 STATUS_TEXT = {
     "unavailable": "not yet available",
     "skipped": "skipped",
@@ -141,11 +141,19 @@ class Settings:
     growth_steps: int = 100  # timed decode steps per cell
     growth_repeats: int = 5
     profile_steps: tuple[tuple[str, int], ...] = (("reference", 3000), ("vllm", 300))
+    # cost against trace length (section "length"): one long stream per target,
+    # the cost per step measured in a window at each point
+    length_targets: tuple[str, ...] = ("reference", "vllm@0.33.0")
+    length_points: tuple[tuple[str, tuple[int, ...]], ...] = (
+        ("reference", (100, 1_000, 10_000, 100_000)), ("vllm", (100, 1_000, 10_000)))
+    length_window: int = 200  # steps timed at each point
+    length_chunks: int = 4  # the window cut into chunks: median and spread over them
     # seconds: the whole run, and each section's share (unused time rolls over)
-    budget_s: float = 780.0
+    budget_s: float = 840.0
     section_s: tuple[tuple[str, float], ...] = (
         ("step_cost", 150.0), ("fuzz_rate", 50.0), ("profile", 30.0),
-        ("time_to_detect", 170.0), ("attention", 45.0), ("growth", 150.0), ("proof", 185.0),
+        ("time_to_detect", 170.0), ("attention", 45.0), ("growth", 150.0), ("length", 60.0),
+        ("proof", 185.0),
     )
 
     def per_target(self, table: tuple[tuple[str, int], ...], target: str) -> int:
@@ -177,10 +185,12 @@ def quick_settings() -> Settings:
         growth_steps=12,
         growth_repeats=3,
         profile_steps=(("reference", 500), ("vllm", 60)),
-        budget_s=140.0,
+        length_points=(("reference", (100, 1_000, 10_000)), ("vllm", (100, 1_000))),
+        length_window=100,
+        budget_s=145.0,
         section_s=(("step_cost", 50.0), ("fuzz_rate", 10.0), ("profile", 3.0),
                    ("time_to_detect", 35.0), ("attention", 5.0), ("growth", 22.0),
-                   ("proof", 15.0)),
+                   ("length", 8.0), ("proof", 12.0)),
     )
 
 
@@ -1290,6 +1300,123 @@ def _cut_steps(s: Stream, n: int) -> Stream:
     return s
 
 
+# ====================================================== 7. cost against trace length
+
+
+def run_length(target: Any, w: Workload, points: tuple[int, ...], window: int, chunks: int,
+               clock: Clock | None = None) -> list[dict[str, Any]]:
+    """One long stream, checked as it is made (the engine's loop: ``depth``
+    steps in flight, ``w.concurrency`` requests in the system, a finished one
+    replaced at once, every draft accepted): the checked cost per step (wall
+    and CPU time, the worker's included) over ``window`` steps from each of
+    ``points``, cut into ``chunks``; and how many requests the checker and the
+    target still hold there (finished requests must have left both)."""
+    from properties.invariants import Checker
+
+    cfg = workload_config(w, policy_of(target))
+    checker = Checker(cfg)
+    checker.feed(None, target.reset(cfg))
+    procs = children()
+    size = max(1, window // chunks)
+    # step count -> which point's window it closes a chunk of
+    marks: dict[int, tuple[int, int]] = {}
+    for p in points:
+        for c in range(chunks + 1):
+            marks.setdefault(p + c * size, (p, c))
+    last = max(points) + chunks * size
+    walls: dict[int, list[float]] = {p: [] for p in points}
+    cpus: dict[int, list[float]] = {p: [] for p in points}
+    held: dict[int, dict[str, int]] = {}
+    at: dict[int, tuple[float, float]] = {}
+    steps = in_flight = added = live = finished = 0
+
+    def step(ev: Event) -> bool:
+        """Apply and check ``ev``; whether it scheduled a step."""
+        nonlocal steps, in_flight, live, finished
+        obs = target.apply(ev)
+        checker.feed(ev, obs)
+        scheduled = False
+        for it in obs.items:
+            if isinstance(it, StepObs):
+                steps += 1
+                in_flight += 1
+                scheduled = True
+            elif isinstance(it, ProcessObs):
+                in_flight -= 1
+            elif isinstance(it, FinishObs):
+                finished += 1
+                live -= 1
+        return scheduled
+
+    while steps < last:
+        if clock is not None and steps in marks and marks[steps][1] == 0 and clock.left() < 0:
+            break
+        while live < w.concurrency:
+            step(AddRequest(f"r{added}", w.prompt_len, w.max_new, 0))
+            added += 1
+            live += 1
+        if in_flight < cfg.depth:
+            if not step(Schedule()):
+                if not in_flight:
+                    raise RuntimeError("nothing scheduled and nothing in flight: stuck")
+                step(Process())
+        else:
+            step(Process())
+        mk = marks.get(steps)
+        if mk is not None and steps not in at:
+            p, c = mk
+            at[steps] = (time.perf_counter(), cpu_now(procs))
+            prev = at.get(steps - size)
+            if c > 0 and prev is not None:
+                walls[p].append(1e6 * (at[steps][0] - prev[0]) / size)
+                cpus[p].append(1e6 * (at[steps][1] - prev[1]) / size)
+            if c == 0:
+                held[p] = {"checker_requests": len(checker.reqs),
+                           "target_requests": _held_requests(target),
+                           "finished": finished}
+    rows = []
+    for p in points:
+        if len(walls[p]) < chunks:
+            rows.append(not_ok("skipped", "the section's time budget was spent", step=p))
+            continue
+        rows.append({"step": p, "status": "ok", "reason": "", "window": size * chunks,
+                     "checked_us_per_step": stats(walls[p]),
+                     "checked_cpu_us_per_step": stats(cpus[p]), **held[p],
+                     "violations": len(checker.violations)})
+    return rows
+
+
+def _held_requests(target: Any) -> int | None:
+    """Requests the target keeps state for (None: not visible from here)."""
+    s = getattr(target, "_s", None)  # the reference target's scheduler
+    if s is not None:
+        return len(s.requests)
+    return None
+
+
+def section_length(st: Settings, targets: Targets, clock: Clock) -> dict[str, Any]:
+    rows = []
+    w = st.workload
+    for spec in st.length_targets:
+        points = st.per_target(st.length_points, spec)  # type: ignore[arg-type]
+        base = {"target": spec}
+        t = targets.get(spec)
+        if t is None:
+            rows += [not_ok("unavailable", targets.reason(spec), **base, step=p)
+                     for p in points]
+            continue
+        try:
+            got = run_length(t, w, points, st.length_window, st.length_chunks, clock)
+        except Exception as e:  # noqa: BLE001
+            rows += [not_ok("failed", one_line(e), **base, step=p) for p in points]
+            continue
+        rows += [{**base, **r} for r in got]
+    return {"workload": (f"{w.describe()}; one stream per target, checked as it is made "
+                         f"(every draft accepted); at each step count, "
+                         f"{st.length_window} steps timed in {st.length_chunks} chunks"),
+            "rows": rows}
+
+
 # ================================================================ rendering
 
 
@@ -1546,7 +1673,31 @@ def render_markdown(d: dict[str, Any]) -> str:
         body.append([r["target"], *tops, layers + (f"; {r['note']}" if r["note"] else "")])
     L += _table(["target", "1st", "2nd", "3rd", "layers (self time)"], body)
     L.append("")
+    L += render_length(d["length"])
     return "\n".join(L)
+
+
+def render_length(ln: dict[str, Any]) -> list[str]:
+    L = ["## 7. Cost against trace length: checked µs per step at step N", ""]
+    L.append(f"{ln['workload']}. Flat rows mean a finished request leaves the "
+             f"target's and the checker's state; the last columns count what they hold.")
+    L.append("")
+    body = []
+    for r in ln["rows"]:
+        head = [r["target"], f"{r['step']:,}"]
+        if r["status"] != "ok":
+            body.append(head + ["—", "—", "—", "—", why(r)])
+            continue
+        tgt = "—" if r["target_requests"] is None else str(r["target_requests"])
+        note = f"{r['finished']:,} requests finished before" + (
+            f"; {r['violations']} violation(s)" if r["violations"] else "")
+        body.append(head + [fstat(r["checked_us_per_step"]),
+                            fstat(r["checked_cpu_us_per_step"]),
+                            str(r["checker_requests"]), tgt, note])
+    L += _table(["target", "at step", "checked µs/step", "checked CPU µs/step",
+                 "requests in the checker", "requests in the target", "notes"], body)
+    L.append("")
+    return L
 
 
 # ===================================================================== driver
@@ -1589,7 +1740,7 @@ def run(st: Settings, out_dir: Path, log: Any = print) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = Targets()
     streams: dict[str, Stream] = {}
-    wanted = list(dict.fromkeys([*st.targets, *st.growth_targets,
+    wanted = list(dict.fromkeys([*st.targets, *st.growth_targets, *st.length_targets,
                                  *(s.target for s in st.subjects)]))
     log(f"bench ({st.mode}): starting targets {', '.join(wanted)}")
     targets.prestart(wanted)
@@ -1623,6 +1774,8 @@ def run(st: Settings, out_dir: Path, log: Any = print) -> dict[str, Any]:
         {"workload": "", "rows": [{"target": t, "concurrency": 0, "prompt_len": 0}
                                   for t in st.growth_targets],
          "plot": {"status": "failed", "reason": "the growth section raised", "path": None}})
+    sec("length", lambda: section_length(st, targets, clock),
+        {"workload": "", "rows": [{"target": t, "step": 0} for t in st.length_targets]})
     sec("proof", lambda: section_proof(st, clock),
         {"note": "", "rows": [{"kind": "all", "policy": "all"}], "total_s": None})
     data = {"meta": _meta(st, clock.elapsed(), load_start), **{k: d[k] for k in SECTIONS}}

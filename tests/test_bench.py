@@ -38,6 +38,7 @@ REQUIRED = {
     "attention": ("steps_per_s", "position_reads_per_s"),
     "growth": ("raw_us_per_step", "checked_us_per_step", "checked_over_raw"),
     "profile": ("top",),
+    "length": ("checked_us_per_step", "checked_cpu_us_per_step"),
 }
 
 
@@ -67,6 +68,9 @@ def tiny_settings():
         growth_steps=4,
         growth_repeats=2,
         profile_steps=(("reference", 40), ("vllm", 5)),
+        length_targets=("reference", MISSING),
+        length_points=(("reference", (100, 200)), ("vllm", (100,))),
+        length_window=40,
         budget_s=300.0,
     )
 
@@ -118,7 +122,7 @@ def test_every_row_filled_or_marked_with_a_reason(report):
 
 def test_missing_target_is_a_row_not_a_crash(report):
     _, data = report
-    for sec in ("step_cost", "fuzz_rate", "profile", "growth"):
+    for sec in ("step_cost", "fuzz_rate", "profile", "growth", "length"):
         rows = [r for r in data[sec]["rows"] if r.get("target") == MISSING]
         assert rows and all(r["status"] == "unavailable" for r in rows), sec
         assert "0.0.1" in rows[0]["reason"]
@@ -141,6 +145,11 @@ def test_reference_rows_measured(report):
     devices = {r["device"]: r for r in data["attention"]["rows"]}
     assert devices["cpu"]["status"] in ("ok", "skipped")
     assert "cuda" in devices
+    length = [r for r in data["length"]["rows"] if r["target"] == "reference"]
+    assert [r["step"] for r in length] == [100, 200] and all(r["status"] == "ok" for r in length)
+    for r in length:  # finished requests left: the checker and the target hold the live ones
+        assert r["finished"] > 0 and r["checker_requests"] <= 2 * bench.Workload().concurrency
+        assert r["target_requests"] <= 2 * bench.Workload().concurrency
     prof = {r["target"]: r for r in data["profile"]["rows"]}["reference"]
     assert len(prof["top"]) == 3 and abs(sum(prof["layers"].values()) - 1) < 1e-6
 
@@ -152,7 +161,8 @@ def test_markdown_matches_json(report):
     assert md == bench.render_markdown(loaded)
     for heading in ("## 1. Step cost", "### Hypothesis examples per second",
                     "## 2. Time to detect", "## 3. Proof cost", "## 4. Attention replay",
-                    "## 5. Growth", "## 6. Where checked stepping spends its time"):
+                    "## 5. Growth", "## 6. Where checked stepping spends its time",
+                    "## 7. Cost against trace length"):
         assert heading in md, heading
     for sec, row in _rows(loaded):
         if row["status"] != "ok":
@@ -172,6 +182,9 @@ def test_settings_cover_the_issue():
     assert full.ttd_seeds >= 5 and (full.ttd_seeds_vllm or 5) >= 5
     assert len(full.subjects) == 5
     assert full.growth_concurrency == (1, 8, 64)
+    assert set(full.length_targets) == {"reference", "vllm@0.33.0"}
+    assert full.per_target(full.length_points, "reference") == (100, 1_000, 10_000, 100_000)
+    assert full.per_target(full.length_points, "vllm@0.33.0") == (100, 1_000, 10_000)
     assert min(full.growth_prompts) == 100 and max(full.growth_prompts) == 10000
     assert full.repeats >= 3 and quick.repeats >= 3
     # the run's own budget, leaving room for start-up and worker shutdown

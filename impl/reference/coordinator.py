@@ -38,6 +38,7 @@ class Coordinator:
         self.max_model_len = config.max_model_len
         self.live: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}  # rid -> prompt length, for every group
+        self._last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # see ``tables``
         for m in self.managers:
             m.prompt_len = self.prompt_len
         # Admission reserves for the settled basis: every step in flight may
@@ -76,7 +77,24 @@ class Coordinator:
     # ---------------------------------------------------------- per request
 
     def tables(self, rid: str) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(m.tables.get(rid, ())) for m in self.managers)
+        """The request's block tables, per group; a group's table equal to the
+        one handed out last time is that same tuple (a long decode's steps
+        share them: memory per distinct table, not per step)."""
+        last = self._last_tables.get(rid)
+        out = []
+        for gi, m in enumerate(self.managers):
+            t = tuple(m.tables.get(rid, ()))
+            if last is not None and last[gi] == t:
+                t = last[gi]
+            out.append(t)
+        tables = self._last_tables[rid] = tuple(out)
+        return tables
+
+    def forget(self, rid: str) -> None:
+        """A finished request leaves for good (its blocks are out of its tables)."""
+        self.live.pop(rid, None)
+        self.prompt_len.pop(rid, None)
+        self._last_tables.pop(rid, None)
 
     def new_step_starts(self) -> None:
         for m in self.managers:

@@ -141,7 +141,10 @@ class Scheduler:
         reserved = [b for g in config.groups for b in g.spec.reserved_blocks(config.block_size)]
         self.pool = BlockPool(config.num_blocks, config.prefix_caching, reserved)
         self.coord = Coordinator(config, self.pool, self.sink)
+        # the requests not yet retired (see ``retire``); ``ended``: ids of retired ones
         self.requests: dict[str, Request] = {}
+        self.ended: set[str] = set()
+        self.finishing: list[Request] = []  # finished, still referenced by a step or hold
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self.waiting: list[Request] = []  # arrival order; preempted ones go to the front
         self.steps: deque[Step] = deque()  # unprocessed, oldest first
@@ -150,6 +153,7 @@ class Scheduler:
         self.iteration = 0  # schedule() calls, those that scheduled nothing included
         self.deferred: list[tuple[int, str, list[Held], str]] = []  # (fence step, rid, blocks, why)
         self.just_finished: list[Request] = []  # for the counters snapshot
+        self.just_waiting: list[Request] = []  # entered the waiting queue (added, preempted)
         # (finish | abort | preempt, rid) held for the next Process (see ``hold``)
         self.held: list[tuple[str, str]] = []
         self.defer_request_frees = config.hazard == "unordered"
@@ -172,6 +176,7 @@ class Scheduler:
         self.coord.prompt_len[rid] = prompt_len
         self.requests[rid] = r
         self.waiting.append(r)
+        self.just_waiting.append(r)
 
     def schedule(self) -> None:
         """One scheduler iteration: running requests first (decodes and
@@ -361,6 +366,24 @@ class Scheduler:
     def finish(self, rid: str, reason: str) -> None:
         self._finish(self.requests[rid], reason)
 
+    def retire(self) -> None:
+        """Forget the finished requests nothing refers to any more (no step in
+        flight scheduled them, no held event names them): a long run keeps
+        only its live requests (and the ids of ended ones, to refuse reuse)."""
+        if not self.finishing:
+            return
+        held = {rid for _, rid in self.held}
+        keep = []
+        for r in self.finishing:
+            if self._in_flight(r) or r.rid in held:
+                keep.append(r)
+                continue
+            rid = r.rid
+            del self.requests[rid]
+            self.coord.forget(rid)
+            self.ended.add(rid)
+        self.finishing = keep
+
     # ============================================================== counters
 
     def req_counters(self, r: Request) -> ReqCounters:
@@ -543,6 +566,7 @@ class Scheduler:
         r.drafts = 0
         r.status = "preempted"
         self.waiting.insert(0, r)
+        self.just_waiting.append(r)
 
     def _finish(self, r: Request, reason: str, window: bool = True) -> None:
         if r.status == "running":
@@ -551,6 +575,7 @@ class Scheduler:
             self.waiting.remove(r)
         r.status = "finished"
         self.just_finished.append(r)
+        self.finishing.append(r)
         self.sink.append(FinishObs(r.rid, reason))
         if self.defer_request_frees and window:
             # With a KV connector, vLLM first frees the out-of-window blocks

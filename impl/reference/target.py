@@ -85,7 +85,9 @@ class ReferenceTarget:
                 s.finish(event.id, why)
         items = list(s.sink)
         s.sink.clear()
-        return Observed(items, self._counters())
+        counters = self._counters()
+        s.retire()
+        return Observed(items, counters)
 
     # --------------------------------------------------------- preconditions
 
@@ -110,7 +112,7 @@ class ReferenceTarget:
         if isinstance(ev, AddRequest):
             if not isinstance(ev.id, str) or not ev.id:
                 return "the id must be a non-empty string"
-            if ev.id in s.requests:
+            if ev.id in s.requests or ev.id in s.ended:
                 return f"request {ev.id!r} exists already"
             if ev.prompt_len < 1 or ev.max_new_tokens < 1:
                 return "prompt_len and max_new_tokens must be >= 1"
@@ -119,9 +121,12 @@ class ReferenceTarget:
             if ev.prompt_len + ev.max_new_tokens > cfg.max_model_len:
                 return f"prompt_len + max_new_tokens exceeds max_model_len {cfg.max_model_len}"
             return None
-        r = s.requests.get(getattr(ev, "id", None))
+        rid = getattr(ev, "id", None)
+        r = s.requests.get(rid)
         if r is None:
-            return f"no request {getattr(ev, 'id', None)!r}"
+            if isinstance(rid, str) and rid in s.ended:
+                return f"request {rid!r} has finished"
+            return f"no request {rid!r}"
         if r.status == "finished":
             return f"request {r.rid!r} has finished"
         if isinstance(ev, (Finish, Abort)):
@@ -148,13 +153,21 @@ class ReferenceTarget:
     # --------------------------------------------------------------- counters
 
     def _counters(self) -> Counters:
-        """Counters of every request added so far; only the requests an event can
-        change (running, waiting, just finished) are rebuilt."""
+        """Counters of every request not finished, and of those that finished
+        during this event (``docs/SEMANTICS.md``); a request leaves them after
+        the event it finished in. Only the requests an event can change are
+        rebuilt: the running ones, those that entered the waiting queue (added,
+        preempted) and those that finished (a waiting request changes only
+        when admitted, and then it runs)."""
         s = self._s
         assert s is not None
         reqs = self._reqs
-        for group in (s.running, s.waiting, s.just_finished):
+        for group in (s.running, s.just_waiting, s.just_finished):
             for r in group:
                 reqs[r.rid] = s.req_counters(r)
+        out = dict(reqs)
+        for r in s.just_finished:
+            reqs.pop(r.rid, None)
+        s.just_waiting.clear()
         s.just_finished.clear()
-        return Counters(s.pool.num_free, s.cfg.num_blocks, dict(reqs), s.bound)
+        return Counters(s.pool.num_free, s.cfg.num_blocks, out, s.bound)

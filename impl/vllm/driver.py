@@ -467,8 +467,12 @@ class Driver:
         self.items: list[Any] = []
         self.pending: deque[_Pending] = deque()
         self.next_step = 0
-        self.reqs: dict[str, Any] = {}  # rid -> Request (also after it finished)
+        # rid -> Request, until it finished and no step in flight scheduled it
+        self.reqs: dict[str, Any] = {}
+        self.ended: set[str] = set()  # ids of the requests that left self.reqs
+        self.active: dict[str, Any] = {}  # rid -> Request, while it is in the counters
         self.table: dict[str, list[list[int]]] = {}  # rid -> per group: slot -> physical id
+        self.last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # as last scheduled
         self.live: dict[str, list[int]] = {}  # rid -> per group: blocks not yet in the pool
         self.owed: dict[int, list[tuple[int, str, int, str]]] = {}  # block -> (g, rid, slot, why)
         self.reasons: list[str] = []
@@ -476,7 +480,7 @@ class Driver:
         self.fresh: set[int] = set()
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
-        self.settled: dict[str, ReqCounters] = {}
+        self.leaving: list[str] = []  # left the counters; forgotten once no step holds them
         self.queued: list[Any] = []  # events held for the next Process (_hold_for_engine)
         self.arrival = 0
         self._instrument()
@@ -738,7 +742,7 @@ class Driver:
         return Observed(items=self.items, counters=self._counters())
 
     def _add(self, ev: AddRequest) -> None:
-        if ev.id in self.reqs:
+        if ev.id in self.reqs or ev.id in self.ended:
             raise EventRejected(f"request {ev.id} was already added")
         if ev.prompt_len + ev.max_new_tokens > self.cfg.max_model_len:
             raise EventRejected(f"request {ev.id} exceeds max_model_len")
@@ -760,6 +764,7 @@ class Driver:
         if ev.external_tokens:
             self.connector.offers[ev.id] = ev.external_tokens
         self.reqs[ev.id] = req
+        self.active[ev.id] = req
         self.table[ev.id] = [[] for _ in self.mgrs]
         self.live[ev.id] = [0] * len(self.mgrs)
         self.sched.add_request(req)
@@ -792,6 +797,10 @@ class Driver:
                     raise InstrumentationError(
                         f"step {step}: request {rid} group {g} is scheduled with table "
                         f"{list(tab)}, observations say {mine[g]}")
+            last = self.last_tables.get(rid)
+            if last is not None:  # an unchanged table is the same tuple (memory per change)
+                tables = tuple(b if b == t else t for b, t in zip(last, tables, strict=True))
+            self.last_tables[rid] = tables
             obs[rid] = ReqStep(rid, end - n, end, len(spec.get(rid, ())), loads.get(rid, 0),
                                tables)
             samples[rid] = not r.is_prefill_chunk
@@ -935,17 +944,37 @@ class Driver:
         return "waiting"
 
     def _counters(self) -> Counters:
+        """Counters of every request not finished, and of a finished one until
+        the event its last block left it in (``docs/SEMANTICS.md``); then it
+        leaves them, and the driver forgets it once no step in flight has it."""
         reqs: dict[str, ReqCounters] = {}
-        for rid, r in self.reqs.items():
-            rc = self.settled.get(rid)
-            if rc is None:
-                live = tuple(self.live[rid])
-                status = self._status(r)
-                rc = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
-                if status == "finished" and not any(live):
-                    self.settled[rid] = rc  # ended and empty: it never changes again
-            reqs[rid] = rc
+        gone = []
+        for rid, r in self.active.items():
+            live = tuple(self.live[rid])
+            status = self._status(r)
+            reqs[rid] = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
+            if status == "finished" and not any(live):
+                gone.append(rid)
+        for rid in gone:
+            del self.active[rid]
+        if self.leaving or gone:
+            self._forget(gone)
         return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
+
+    def _forget(self, gone: list[str]) -> None:
+        """Drop what the driver keeps of finished requests that no step in
+        flight scheduled (their outputs still look them up)."""
+        self.leaving.extend(gone)
+        busy = {rid for p in self.pending for rid in p.obs}
+        keep = []
+        for rid in self.leaving:
+            if rid in busy:
+                keep.append(rid)
+                continue
+            del self.reqs[rid], self.table[rid], self.live[rid]
+            self.last_tables.pop(rid, None)
+            self.ended.add(rid)
+        self.leaving = keep
 
 
 _block_id = attrgetter("block_id")

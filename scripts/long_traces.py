@@ -1,0 +1,154 @@
+"""Long traces for the cost-in-trace-length checks (README, "Input limits").
+
+Two shapes, written as trace JSON that ``./kvcheck replay`` takes:
+
+``requests``  a stream of ``N`` requests, ``concurrency`` of them in the
+              system at a time (a finished one is replaced by the next),
+              Schedule / Process as the engine steps (``depth`` in flight):
+              requests that finish must leave the targets' and the checker's
+              state, or each event costs more than the last;
+``pairs``     one request of one long decode, ``N`` Schedule / Process pairs.
+
+The events are generated without running a target (the scheduler of both
+targets makes the same choices on these shapes: the budget covers every
+prompt, so each live request is scheduled at every step)::
+
+    .venv/bin/python scripts/long_traces.py requests 20000 /tmp/r20k.json
+    .venv/bin/python scripts/long_traces.py pairs 100000 /tmp/p100k.json
+    /usr/bin/time -v ./kvcheck replay /tmp/r20k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from model.events import (  # noqa: E402
+    AddRequest,
+    Config,
+    Event,
+    Process,
+    Schedule,
+    Trace,
+    config_for,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def request_stream(n: int, *, concurrency: int = 8, prompt_len: int = 40, max_new: int = 6,
+                   depth: int = 2, kind: str = "sliding", prefix_caching: bool = False,
+                   ) -> Trace:
+    """``n`` requests through the engine, ``concurrency`` at a time, each of
+    ``prompt_len`` prompt and ``max_new`` new tokens, ``depth`` steps in flight.
+
+    The token budget covers every live request's prompt, so every live request
+    runs in every step: admitted in the step after it arrives, one prefill
+    step, then one token per step. With ``depth`` steps in flight the output of
+    step ``s`` is processed before step ``s + depth`` is scheduled; a request
+    finishes when the output of the step that computes its last token is
+    processed, and the next request arrives right after."""
+    B = 16
+    cfg = _config(kind, concurrency, prompt_len, max_new, depth, prefix_caching, B)
+    events: list[Event] = []
+    # Simulate the schedule exactly as both targets make it on this shape:
+    # per live request, how many tokens are still to be computed / sampled.
+    live: dict[str, list[int]] = {}  # rid -> [computed, generated]
+    in_flight: list[list[tuple[str, int]]] = []  # per unprocessed step: (rid, end)
+    added = 0
+
+    def top_up() -> None:
+        nonlocal added
+        while len(live) < concurrency and added < n:
+            rid = f"r{added}"
+            added += 1
+            events.append(AddRequest(rid, prompt_len, max_new, 0))
+            live[rid] = [0, 0]
+
+    top_up()
+    while live or in_flight:
+        if len(in_flight) < depth and live:
+            row = []
+            for rid, st in live.items():
+                c, gen = st
+                known = prompt_len + gen
+                placeholders = sum(1 for s in in_flight for r, e in s if r == rid
+                                   and e >= prompt_len)
+                if placeholders and c + 2 - placeholders >= prompt_len + max_new:
+                    continue
+                k = known + placeholders - c
+                if k <= 0:
+                    continue
+                st[0] = c + k
+                row.append((rid, c + k))
+            if row:
+                events.append(Schedule())
+                in_flight.append(row)
+                continue
+        row = in_flight.pop(0)
+        events.append(Process({}))
+        for rid, end in row:
+            if rid in live and end >= prompt_len:
+                st = live[rid]
+                st[1] = max(st[1], min(max_new, end + 1 - prompt_len))
+                if st[1] >= max_new:
+                    del live[rid]
+        top_up()
+    return Trace(cfg, events, {"generator": f"scripts/long_traces.py requests {n}"})
+
+
+def pair_stream(n: int, *, kind: str = "sliding", depth: int = 1) -> Trace:
+    """One request decoding through ``n`` Schedule / Process pairs (its
+    prompt is one block; ``max_new_tokens`` covers every pair)."""
+    B = 16
+    prompt_len = B
+    max_new = n + 1
+    cfg = _config(kind, 1, prompt_len, max_new, depth, False, B)
+    events: list[Event] = [AddRequest("r0", prompt_len, max_new, 0)]
+    for _ in range(n):
+        events += [Schedule(), Process({})]
+    return Trace(cfg, events, {"generator": f"scripts/long_traces.py pairs {n}"})
+
+
+def _config(kind: str, concurrency: int, prompt_len: int, max_new: int, depth: int,
+            prefix_caching: bool, B: int) -> Config:
+    per_req = _cdiv(prompt_len + max_new, B) + 2
+    budget = max(concurrency * prompt_len, 64)
+    kw = {"window": 16} if kind == "sliding" else {}
+    return config_for(
+        kind, block_size=B, num_blocks=concurrency * per_req + 2 * _cdiv(budget, B) + 16,
+        max_num_batched_tokens=budget, max_num_seqs=concurrency,
+        max_model_len=prompt_len + max_new + B, depth=depth, prefix_caching=prefix_caching,
+        **kw,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", choices=("requests", "pairs"))
+    ap.add_argument("n", type=int)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--kind", default="sliding")
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--prefix-caching", action="store_true")
+    a = ap.parse_args(argv)
+    if a.shape == "requests":
+        t = request_stream(a.n, kind=a.kind, depth=a.depth or 2,
+                           prefix_caching=a.prefix_caching)
+    else:
+        t = pair_stream(a.n, kind=a.kind, depth=a.depth or 1)
+    t.save(a.out)
+    print(f"{a.out}: {len(t.events)} events, "
+          f"{sum(isinstance(e, AddRequest) for e in t.events)} requests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
