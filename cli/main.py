@@ -158,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default reports/gate)")
     g.add_argument("--junit", default=None, help="JUnit XML path (default REPORTS/junit.xml)")
     g.add_argument("--quiet", action="store_true", help="no line per finished row")
+    e = sub.add_parser(
+        "export", help="write a trace as a standalone pytest module in vLLM's test style",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  ./kvcheck export findings/failed-load-prefix-hit-reads-missing-kv.json "
+               "--vllm-test test_prefix_hit.py\nthe module needs vLLM (0.33 line) and pytest "
+               "only; it replays the trace through schedule()/update_from_output() and asserts "
+               "property 2 on vLLM's objects")
+    e.add_argument("trace")
+    e.add_argument("--vllm-test", required=True, metavar="OUT.py",
+                   help="the module to write (never over an existing file)")
 
     c = sub.add_parser(
         "check", help="the main job: prove, fuzz every kind, replay attention; a verdict table",
@@ -447,6 +457,34 @@ def cmd_replay(a) -> int:
     return code
 
 
+# ------------------------------------------------------------------- export
+
+
+def cmd_export(a) -> int:
+    from impl.vllm.export import ExportError, vllm_test_source
+    from model.events import Trace
+
+    out = Path(a.vllm_test)
+    if out.suffix != ".py":
+        raise UsageError(f"--vllm-test {a.vllm_test}: name a .py module")
+    if out.exists() or out.is_symlink():
+        raise UsageError(f"--vllm-test {a.vllm_test}: exists; kvcheck does not overwrite it")
+    if not out.parent.is_dir():
+        raise UsageError(f"--vllm-test {a.vllm_test}: no folder {out.parent}")
+    trace = Trace.load(a.trace)
+    try:
+        text = vllm_test_source(trace, Path(a.trace).stem)
+    except ExportError as e:
+        raise UsageError(f"{a.trace} cannot be exported: {e}") from None
+    try:
+        with open(out, "x") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"--vllm-test {a.vllm_test}: {e.strerror}") from None
+    print(f"wrote {out} (pytest {out})")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------- diff
 
 
@@ -560,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
-                "check": cmd_check, "gate": cmd_gate}[a.cmd](a)
+                "check": cmd_check, "gate": cmd_gate, "export": cmd_export}[a.cmd](a)
     except (UsageError, TraceError, Unsupported, DatabaseError) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -853,6 +853,8 @@ class Driver:
                 discarded.append(rid)
             elif p.samples[rid] and self.reqs[rid].num_output_tokens == ntok_before[rid]:
                 discarded.append(rid)  # vLLM dropped the output (stale after preemption)
+        # accepted names the requests whose output counts (not the discarded)
+        accepted = [(rid, a) for rid, a in accepted if rid not in discarded]
         self.items.insert(at, ProcessObs(p.step, tuple(accepted), tuple(discarded),
                                          tuple(sorted(self.failed_now.items()))))
         if self.cfg.depth == 1 and self.cfg.spec_tokens:

@@ -1,0 +1,117 @@
+"""A trace as a standalone test in vLLM's own style (``./kvcheck export TRACE
+--vllm-test OUT.py``).
+
+The module written is the trace's config and events as data, followed by
+:mod:`impl.vllm.vllm_test_harness` (which builds the scheduler as vLLM's
+``tests/v1/core`` and ``tests/v1/kv_connector/unit`` tests do, replays the
+events through ``schedule()`` / ``update_from_output()`` and asserts property
+2 on vLLM's objects) and one test function. It needs vLLM (0.33 line) and
+pytest only. Nothing here imports vLLM.
+
+What it cannot state is refused with one line (:class:`ExportError`): a
+violation of another property than 2 (the exported test asserts reads and
+fails on crashes), a Drain event, a rejected draft (the harness keys slots by
+tokens known in advance), a kind it does not model.
+"""
+
+from __future__ import annotations
+
+import pprint
+import re
+from pathlib import Path
+
+from model.events import (
+    Abort,
+    AddRequest,
+    FailLoad,
+    Finish,
+    Preempt,
+    Process,
+    Schedule,
+    Trace,
+)
+from model.tokens import prompt_token
+
+HARNESS = Path(__file__).resolve().parent / "vllm_test_harness.py"
+KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
+
+
+class ExportError(Exception):
+    """The trace cannot be exported (one line)."""
+
+
+def _events(trace: Trace) -> list[tuple]:
+    cfg, out = trace.config, []
+    for i, ev in enumerate(trace.events):
+        t = type(ev)
+        if t is AddRequest:
+            out.append(("add", ev.id, [prompt_token(q, ev.variant) for q in range(ev.prompt_len)],
+                        ev.max_new_tokens, ev.external_tokens))
+        elif t is Schedule:
+            out.append(("schedule",))
+        elif t is Process:
+            short = {rid: a for rid, a in ev.accepted.items() if a < cfg.spec_tokens}
+            if short:
+                raise ExportError(f"event #{i} rejects drafts ({short}); the exported test "
+                                  f"keys KV by tokens known in advance and takes no rejection")
+            out.append(("process", dict(ev.accepted)))
+        elif t is FailLoad:
+            out.append(("fail_load", ev.id, ev.first_bad_block))
+        elif t is Preempt:
+            out.append(("preempt", ev.id))
+        elif t is Finish:
+            out.append(("finish", ev.id))
+        elif t is Abort:
+            out.append(("abort", ev.id))
+        else:
+            raise ExportError(f"event #{i} ({t.__name__}) has no vLLM-test form "
+                              f"(the exported test replays schedule/update_from_output only)")
+    return out
+
+
+def _check(trace: Trace) -> None:
+    cfg = trace.config
+    bad = sorted({g.kind for g in cfg.groups} - KINDS)
+    if bad:
+        raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
+    violation = str(trace.meta.get("violation", ""))
+    m = re.match(r"property (\d+)", violation)
+    if m and m[1] != "2":
+        raise ExportError(f"the trace shows property {m[1]}; the exported test asserts property "
+                          f"2 (reads) and fails on a crash")
+
+
+def _identifier(name: str) -> str:
+    s = re.sub(r"\W+", "_", name).strip("_").lower()
+    return s if s and not s[0].isdigit() else f"t_{s}"
+
+
+def _docstring(trace: Trace, name: str) -> str:
+    meta = trace.meta
+    lines = [f"{name}: a kvcheck trace replayed on vLLM's scheduler.", ""]
+    if "violation" in meta:
+        lines += [f"Shows on {meta.get('target', 'vllm@0.33.0')}: {meta['violation']}"]
+    if "fixed_by" in meta:
+        lines += [f"Passes with {meta['fixed_by']} applied."]
+    lines += ["", f"Config: {trace.config.label()}",
+              "Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs",
+              "vLLM (0.33 line) and pytest only. Run: pytest THIS_FILE"]
+    body = HARNESS.read_text().split('"""', 2)[1].split("\n\n", 1)[1].strip()
+    text = "\n".join(lines) + "\n\n" + body
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def vllm_test_source(trace: Trace, name: str) -> str:
+    """The module text of ``trace`` as a vLLM-style test named ``name``."""
+    _check(trace)
+    events = _events(trace)
+    harness = HARNESS.read_text().split('"""', 2)[2].lstrip("\n")
+    cfg = trace.config.to_json()
+    return (
+        f'"""{_docstring(trace, name)}\n"""\n\n{harness}\n\n'
+        f"CONFIG = {pprint.pformat(cfg, width=96, sort_dicts=False)}\n"
+        f"EVENTS = {pprint.pformat(events, width=96, compact=True)}\n\n\n"
+        f"def test_{_identifier(name)}(tmp_path):\n"
+        f"    sched, hasher = make_scheduler(CONFIG, tmp_path)\n"
+        f"    Replay(CONFIG, sched, hasher).run(EVENTS)\n"
+    )
