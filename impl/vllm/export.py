@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pprint
 import re
+import textwrap
 from pathlib import Path
 
 from model.events import (
@@ -88,15 +89,17 @@ def _identifier(name: str) -> str:
 
 def _docstring(trace: Trace, name: str) -> str:
     meta = trace.meta
-    lines = [f"{name}: a kvcheck trace replayed on vLLM's scheduler.", ""]
+    lines = [*textwrap.wrap(f"{name}: a kvcheck trace replayed on vLLM's scheduler.", 88), ""]
     if "violation" in meta:
-        lines += [f"Shows on {meta.get('target', 'vllm@0.33.0')}: {meta['violation']}"]
+        lines += textwrap.wrap(f"Shows on {meta.get('target', 'vllm@0.33.0')}: "
+                               f"{meta['violation']}", 88)
     if "fixed_by" in meta:
-        lines += [f"Passes with {meta['fixed_by']} applied."]
-    lines += ["", f"Config: {trace.config.label()}",
+        lines += textwrap.wrap(f"Passes with {meta['fixed_by']} applied.", 88)
+    lines += ["", *textwrap.wrap(f"Config: {trace.config.label()}", 88),
               "Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs",
               "vLLM (0.33 line) and pytest only. Run: pytest THIS_FILE"]
-    body = HARNESS.read_text().split('"""', 2)[1].split("\n\n", 1)[1].strip()
+    # the harness's docstring past its first two paragraphs (about this exporter)
+    body = HARNESS.read_text().split('"""', 2)[1].split("\n\n", 2)[2].strip()
     text = "\n".join(lines) + "\n\n" + body
     return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
 

@@ -348,8 +348,14 @@ class Replay:
                                if q >= part.start - part.loaded and q >= 0]
                 for q in written:
                     i, off = self._slot(g, q)
-                    if i < len(tab) and tab[i] != self.null:
-                        self.content[(tab[i], off)] = (self._key(part.rid, g, q), n, part.rid)
+                    kind = self.kinds[g][0]
+                    if q < part.start and (i >= len(tab) or tab[i] == self.null):
+                        continue  # a load skips the blocks outside the window
+                    assert i < len(tab) and tab[i] != self.null, (
+                        f"property 2 (null-read): step {n} (scheduled) computes {part.rid} "
+                        f"positions [{part.start}, {part.end}); position {q} ({kind}) reads "
+                        f"its own KV, but logical block {i} maps to the NULL block")
+                    self.content[(tab[i], off)] = (self._key(part.rid, g, q), n, part.rid)
         for part in parts.values():
             self._check_reads(n, part)
         self.pending.append(Step(n, out, parts))
