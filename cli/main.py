@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "hashes one token ahead; single-group kinds, vLLM targets) or mtp (a "
                         "multi-module MTP drafter of two modules: as eagle, drafts in pairs, "
                         "sliding windows retain spec_tokens - 1 tokens)")
+    f.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                   default="recompute",
+                   help="what a failed connector load does: recompute the request (default) "
+                        "or end it with an error (vLLM's own default, FINISHED_ERROR)")
     f.add_argument("--hazard", choices=("ordered", "unordered"), default=None,
                    help="unordered: a KV-consumer connector may write freed blocks at once")
     f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
@@ -216,7 +220,8 @@ def cmd_fuzz(a) -> int:
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
-                    aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes)
+                    aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes,
+                    load_failure=a.kv_load_failure_policy)
     _validate_spec(spec, a)
     workers = default_workers() if a.workers is None else a.workers
     if workers < 1:

@@ -58,6 +58,9 @@ HAZARDS = ("ordered", "unordered")
 # of spec_tokens, and sliding windows retaining spec_tokens - 1 tokens)
 DRAFTERS = ("ngram", "eagle", "mtp")
 MTP_MODULES = 2  # num_nextn_predict_layers of impl/vllm/tiny-mtp
+# what a failed connector load does to its request: recompute it (the checked
+# default of the traces), or end it with an error (vLLM's default, FINISHED_ERROR)
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class TraceError(ValueError):
@@ -302,6 +305,7 @@ class Config:
     hazard: str = "ordered"  # "unordered": a KV-consumer connector may write freed blocks
     prefix_caching: bool = False
     drafter: str = "ngram"  # DRAFTERS; saved only when not "ngram"
+    kv_load_failure_policy: str = "recompute"  # KV_LOAD_FAILURE_POLICIES; saved when "fail"
 
     def __post_init__(self) -> None:
         # vLLM's planner tags every sliding window with the drafter's retained
@@ -376,6 +380,7 @@ class Config:
             f"spec={self.spec_tokens} policy={self.policy} hazard={self.hazard}"
             + (" prefix-caching" if self.prefix_caching else "")
             + (f" drafter={self.drafter}" if self.drafter != "ngram" else "")
+            + (" load-failure=fail" if self.kv_load_failure_policy == "fail" else "")
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -385,6 +390,8 @@ class Config:
                        for g in self.groups]
         if self.drafter == "ngram":
             del d["drafter"]  # traces saved before drafters were configurable
+        if self.kv_load_failure_policy == "recompute":
+            del d["kv_load_failure_policy"]
         return d
 
     @staticmethod
@@ -494,6 +501,11 @@ class Config:
         if self.drafter == "mtp" and self.spec_tokens % MTP_MODULES:
             raise TraceError(f"config: drafter mtp ({MTP_MODULES} modules) needs spec_tokens "
                              f"divisible by {MTP_MODULES}, got {self.spec_tokens}")
+        if not isinstance(self.kv_load_failure_policy, str) or \
+                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise TraceError(f"config: unknown kv_load_failure_policy "
+                             f"{self.kv_load_failure_policy!r:.40} "
+                             f"(known: {', '.join(KV_LOAD_FAILURE_POLICIES)})")
 
 
 def sliding(w: int, **kw: Any) -> Config:

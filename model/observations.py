@@ -90,7 +90,7 @@ class ProcessObs:
 @dataclass(frozen=True)
 class FinishObs:
     rid: str
-    reason: str  # "length", "finish", "abort"
+    reason: str  # "length", "finish", "abort"; "error" (a failed load, policy "fail")
 
 
 Item = StepObs | AllocObs | FreeObs | MoveObs | ProcessObs | FinishObs

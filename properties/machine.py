@@ -109,6 +109,7 @@ class FuzzSpec:
     external: bool = True  # whether requests may carry connector-loaded tokens
     aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
+    load_failure: str = "recompute"  # Config.kv_load_failure_policy
     max_steps: int | None = None  # events per example; None: 30, 50 for R-SWA (long outputs)
     props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7})  # the properties enforced
 
@@ -119,6 +120,7 @@ class FuzzSpec:
                 + ("" if self.aligned_loads else "|unaligned")
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
                 + ("" if self.block_sizes == "uniform" else f"|{self.block_sizes}")
+                + ("" if self.load_failure == "recompute" else f"|{self.load_failure}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
 
@@ -186,7 +188,8 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
                      policy=spec.policy, hazard=hazard, prefix_caching=prefix,
-                     drafter=spec.drafter if spec_tokens else "ngram")
+                     drafter=spec.drafter if spec_tokens else "ngram",
+                     kv_load_failure_policy=spec.load_failure)
         # pools an engine starts with (one request of max_model_len fits), small
         # ones half the time: pool pressure is where preemption, eviction of
         # cached blocks and their reuse happen

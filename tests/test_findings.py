@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from impl.target import TargetCrash
-from model.events import Trace
+from model.events import Schedule, Trace
 from properties.replay import replay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,3 +76,56 @@ def test_finding_passes_with_its_fix(path):
 def test_reference_recovers_correctly(path):
     rr = replay(Trace.load(path), "reference")
     assert rr.first is None, rr.first
+
+
+# vLLM's default kv_load_failure_policy="fail": the request whose load failed
+# ends with FINISHED_ERROR and nothing else is harmed (property 2: no one reads
+# its blocks; 3: accounting holds), on vLLM and on the reference
+FAIL_POLICY = [p for p in FINDINGS if p.stem.startswith("failed-load-")
+               and "hybrid" not in p.stem and "fail-policy" not in p.stem
+               and "downstream" not in p.stem]  # fail-policy-sharer: the finding itself
+
+
+def _fail_policy(path: Path) -> Trace:
+    from dataclasses import replace
+
+    t = Trace.load(path)
+    events, failed = [], set()
+    for ev in t.events:  # up to the first event about a request that has ended
+        if getattr(ev, "id", None) in failed and type(ev).__name__ != "FailLoad":
+            break
+        if type(ev).__name__ == "FailLoad":
+            failed.add(ev.id)
+        events.append(ev)
+    events.append(Schedule())  # what the others do next reads none of its blocks
+    return Trace(replace(t.config, kv_load_failure_policy="fail"), events, {})
+
+
+def _errors(rr) -> set[str]:
+    from model.observations import FinishObs
+
+    return {i.rid for row in rr.rows for i in row.obs.items
+            if isinstance(i, FinishObs) and i.reason == "error"}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("path", FAIL_POLICY, ids=lambda p: p.stem)
+def test_fail_policy_ends_the_request_and_harms_nothing(path):
+    trace = _fail_policy(path)
+    failed = {ev.id for ev in trace.events if type(ev).__name__ == "FailLoad"}
+    for target in ("vllm@0.33.0", "reference"):
+        rr = replay(trace, target)
+        assert rr.crash is None and rr.first is None, (target, rr.crash or rr.first)
+        assert _errors(rr) == failed, (target, _errors(rr))
+
+
+def test_fail_policy_is_validated_and_saved_only_when_set(tmp_path):
+    from model.events import TraceError
+
+    t = _fail_policy(FAIL_POLICY[0])
+    assert t.config.to_json()["kv_load_failure_policy"] == "fail"
+    assert "kv_load_failure_policy" not in Trace.load(FAIL_POLICY[0]).config.to_json()
+    d = t.to_json()
+    d["config"]["kv_load_failure_policy"] = "retry"
+    with pytest.raises(TraceError, match="kv_load_failure_policy"):
+        Trace.from_json(d)

@@ -313,6 +313,11 @@ class Scheduler:
         for r, bad in after:
             if bad is None:
                 self._finish(r, "length")
+            elif self.cfg.kv_load_failure_policy == "fail":
+                # vLLM's default: the request ends with an error (FINISHED_ERROR)
+                # and its bad blocks leave the prefix cache
+                self.coord.uncache_from(r.rid, bad)
+                self._finish(r, "error", window=False)
             else:
                 self._fail_load(r, bad)
         for why, rid in held:
@@ -582,7 +587,8 @@ class Scheduler:
             # (on the policy's basis) before handing the table to the
             # connector's request_finished hook: window frees, at once.
             self.coord.remove_skipped_blocks(r.rid, self._bases(r))
-        self._let_go(r, self.coord.pop_for_free(r.rid), "finish" if reason == "length" else reason)
+        self._let_go(r, self.coord.pop_for_free(r.rid),
+                     {"length": "finish", "error": "failed_load"}.get(reason, reason))
         self._discard(r)
 
     def _read_any(self, e: Entry, blocks: set[int]) -> bool:

@@ -253,7 +253,7 @@ class Driver:
         if not probe and cfg.hazard == "unordered":
             kw["kv_transfer_config"] = c["KVTransferConfig"](
                 kv_connector=self.connector_mod.NAME, kv_role="kv_consumer",
-                kv_load_failure_policy="recompute",
+                kv_load_failure_policy=cfg.kv_load_failure_policy,
             )
         return c["VllmConfig"](
             model_config=model, cache_config=cache, scheduler_config=sched,
@@ -407,7 +407,7 @@ class Driver:
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
                cfg.hazard, any(g.spec.holds_state for g in cfg.groups), cfg.drafter,
-               _encoder_len(cfg))
+               _encoder_len(cfg), cfg.kv_load_failure_policy)
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:
@@ -715,6 +715,8 @@ class Driver:
             return "abort"
         if st == self.RS.FINISHED_STOPPED:
             return "finish"
+        if st == self.RS.FINISHED_ERROR:
+            return "error"  # kv_load_failure_policy="fail"
         return str(st).lower()
 
     # ----------------------------------------------------------------- events
@@ -908,10 +910,9 @@ class Driver:
         compat.preempt(self.sched, r, time.monotonic())
 
     def _fail_load(self, ev: FailLoad) -> None:
-        if len(self.mgrs) > 1:
-            raise EventUnsupported(
-                "a failed load is reported to vLLM by block id, which it maps to "
-                "requests only with one KV-cache group")
+        # With several KV-cache groups too: a worker-side connector reports the
+        # blocks it failed to load by id, and what vLLM does with them (it
+        # raises: findings/) is what a real engine meets.
         B = self.cfg.block_size
         for p in self.pending:
             rs = p.obs.get(ev.id)

@@ -75,6 +75,11 @@ def _check(trace: Trace) -> None:
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
+    target = str(trace.meta.get("target", "vllm@0.33.0"))
+    m = re.match(r"vllm@(\d+\.\d+)\.", target)
+    if m and m[1] != "0.33":
+        raise ExportError(f"the trace shows on {target}; the exported test speaks vLLM 0.33's "
+                          f"API (schedule(), the planner, KVConnectorOutput) and runs on that line")
     violation = str(trace.meta.get("violation", ""))
     m = re.match(r"property (\d+)", violation)
     if m and m[1] != "2":
