@@ -26,6 +26,10 @@ TESTS = ROOT / "findings" / "vllm_tests"
 TRACES = {p.stem: Trace.load(p) for p in sorted((ROOT / "findings").glob("*.json"))}
 
 
+def _ident(stem: str) -> str:
+    return re.sub(r"\W+", "_", stem).strip("_").lower()
+
+
 def _module(stem: str) -> Path:
     return TESTS / f"test_{_ident(stem)}.py"
 
@@ -104,10 +108,6 @@ def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
         results[stem] = None if bad is None else (bad.get("message", "") + "\n" + (bad.text or ""))
     assert set(results) == set(stems), (target, results)
     return results
-
-
-def _ident(stem: str) -> str:
-    return re.sub(r"\W+", "_", stem).strip("_").lower()
 
 
 @pytest.mark.vllm
