@@ -140,9 +140,12 @@ Where vLLM differs from docs/SEMANTICS.md (measured on 0.25.1, 0.26.0, 0.33.0)
    FailLoad at such a block is reported to vLLM from the first loaded block at
    or after it; the recompute from ``j * B`` then reads NULL below the window
    (those positions were never loaded): a real null read on SWA / chunked-local.
-7. FailLoad needs one KV-cache group: vLLM maps ``invalid_block_ids`` to
-   requests only then (0.33 raises, 0.25.1 fails to unpack) and its per-request
-   ``failed_recving`` covers asynchronous loads only. Hybrid: Unsupported.
+7. FailLoad on several KV-cache groups: vLLM maps ``invalid_block_ids`` to
+   requests only with one (0.33 raises ``RuntimeError``, 0.25.1 fails to
+   unpack: a crash, findings/); its per-request ``failed_recving`` covers
+   asynchronous loads only. A replayed trace reaches the crash (exit 3); the
+   fuzzer does not draw FailLoad on hybrids (``can_apply``), so campaigns run
+   past it.
 8. With a connector, vLLM's finish path first calls ``remove_skipped_blocks``
    on the finished request (0.25.1 on ``c``, later on ``c - f``): those frees
    are ``window`` frees, before the request-level ones.
@@ -415,7 +418,8 @@ class VllmTarget:
             notes=(
                 "config.policy is ignored: vLLM implements fixed_policy",
                 "external tokens need hazard=unordered (a KV-consumer connector)",
-                "FailLoad needs a single KV-cache group",
+                "FailLoad on several KV-cache groups crashes vLLM (findings/); the fuzzer "
+                "draws it on single groups only",
                 "depth 3-4: pipeline parallelism (see impl/vllm module docstring)",
             ),
         )
@@ -534,7 +538,7 @@ class VllmTarget:
             return self._status.get(event.id) == "running"
         if t is FailLoad:
             if len(cfg.groups) > 1:
-                return False
+                return False  # a known crash (findings/failed-load-hybrid-crashes-*)
             lo = event.first_bad_block * cfg.block_size
             return any(r.rid == event.id and r.loaded and r.start - r.loaded <= lo < r.start
                        for s in self._pending for r in s.reqs)
