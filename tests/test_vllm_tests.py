@@ -90,15 +90,16 @@ def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
 
     release, plus, diff = target.partition("+")
     inst = resolve(f"{release}+{ROOT / diff}" if plus else target)
-    junit = tmp / f"junit-{len(list(tmp.iterdir()))}.xml"
+    junit = tmp / f"junit-{len(list(tmp.glob('junit-*.xml')))}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(PYTHONPATH=os.pathsep.join(map(str, inst.path)), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR", VLLM_NO_USAGE_STATS="1",
                OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     "--rootdir", str(tmp), "-c", os.devnull, f"--junitxml={junit}",
                     *(str(_module(s)) for s in stems)],
                    cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    assert junit.is_file(), (target, run.returncode, (run.stdout + run.stderr)[-2000:])
     results: dict[str, str | None] = {}
     for case in ET.parse(junit).iter("testcase"):
         stem = next(s for s in stems if case.get("name") == f"test_{_ident(s)}")
