@@ -83,7 +83,8 @@ def test_reference_recovers_correctly(path):
 # its blocks; 3: accounting holds), on vLLM and on the reference
 FAIL_POLICY = [p for p in FINDINGS if p.stem.startswith("failed-load-")
                and "hybrid" not in p.stem and "fail-policy" not in p.stem
-               and "downstream" not in p.stem]  # fail-policy-sharer: the finding itself
+               and "downstream" not in p.stem
+               and "+" not in Trace.load(p).meta.get("target", "")]
 
 
 def _fail_policy(path: Path) -> Trace:
