@@ -72,6 +72,9 @@ def _events(trace: Trace) -> list[tuple]:
 
 def _check(trace: Trace) -> None:
     cfg = trace.config
+    if cfg.spec_tokens and cfg.drafter not in ("ngram", "eagle"):
+        raise ExportError(f"drafter {cfg.drafter} is not built by the exported test "
+                          f"(ngram and eagle are)")
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
