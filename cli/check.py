@@ -75,10 +75,10 @@ def _power_rows(a) -> list[Row]:
 
 def _prove_rows(a) -> list[Row]:
     try:
-        from model import proof
         from model.policy import EXPECTED_SAFE
+        from prove import proof
     except ImportError as e:
-        return [Row("prove", "all", "MISSING", False, f"model.proof not importable: {e}")]
+        return [Row("prove", "all", "MISSING", False, f"prove.proof not importable: {e}")]
     rows = []
     for r in proof.prove_all():
         # full attention (and sink, its sibling) frees nothing out of window:

@@ -511,7 +511,7 @@ def cmd_diff(a) -> int:
 
 
 def cmd_prove(a) -> int:
-    from model import proof
+    from prove import proof
 
     kinds = [a.kind] if a.kind else None
     policies = [a.policy] if a.policy is not None else None

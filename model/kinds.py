@@ -28,7 +28,7 @@ attention kernel expresses its window), and the fuzzer's draws
 ``KINDS`` maps each name to its class; ``model.events.Group`` names a kind
 and its parameter, and ``Group.spec`` is the kind object. The reference
 manager (impl/reference/managers.py), the vLLM spec builder
-(impl/vllm/driver.py) and the Z3 terms (model/z3model.py) have one entry per
+(impl/vllm/driver.py) and the Z3 terms (prove/z3model.py) have one entry per
 kind each.
 """
 

@@ -17,7 +17,7 @@ Sections:
    every ratio is measured side by side; Hypothesis examples per second;
 2. time to detect the known bugs: seconds and examples until the first
    violation, and the shrunk trace's length, over several seeds;
-3. proof cost: ``model.proof.prove_all`` per kind and policy;
+3. proof cost: ``prove.proof.prove_all`` per kind and policy;
 4. attention replay: steps per second on the CPU (GPU where there is one);
 5. growth: step cost against concurrent requests and prompt length;
 6. profile: where checked stepping spends its time, per target.
@@ -912,7 +912,7 @@ def section_time_to_detect(st: Settings, targets: Targets, clock: Clock) -> dict
 _PROOF_CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from model import proof
+from prove import proof
 t0 = time.perf_counter()
 rs = proof.prove_all(kinds=[sys.argv[2]], policies=[sys.argv[3]])
 print(json.dumps({"wall": time.perf_counter() - t0,
@@ -924,13 +924,13 @@ print(json.dumps({"wall": time.perf_counter() - t0,
 def proof_pairs(st: Settings) -> tuple[list[tuple[str, str]], str]:
     """Every (kind, policy) ``prove_all()`` covers, or why there are none."""
     try:
-        from model import proof
-    except Exception as e:  # noqa: BLE001 - model/proof.py not written yet
+        from prove import proof
+    except Exception as e:  # noqa: BLE001 - prove/proof.py not written yet
         return [], one_line(e)
     if not hasattr(proof, "prove_all"):
-        return [], "model.proof has no prove_all()"
+        return [], "prove.proof has no prove_all()"
     from model.policy import REGISTRY
-    from model.z3model import Z3_KINDS
+    from prove.z3model import Z3_KINDS
 
     kinds = list(Z3_KINDS)
     dp = getattr(proof, "_default_policies", None)
@@ -1014,7 +1014,7 @@ def section_proof(st: Settings, clock: Clock) -> dict[str, Any]:
 def _proof_end_text(end: str, st: Settings) -> str:
     if end.startswith("timeout:"):
         return (f"did not finish within {end.split(':', 1)[1]} s (the bench's limit per proof; "
-                f"model.proof's own step timeout is longer)")
+                f"prove.proof's own step timeout is longer)")
     if end.startswith("error:"):
         return "failed: " + end.split(":", 1)[1]
     return "skipped: time budget spent"
@@ -1589,7 +1589,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     pf = d["proof"]
     L.append("## 3. Proof cost")
     L.append("")
-    L.append(f"`model.proof.prove_all()`: {pf['note']}; seconds as `prove_all` reports them.")
+    L.append(f"`prove.proof.prove_all()`: {pf['note']}; seconds as `prove_all` reports them.")
     L.append("")
     body = []
     for r in pf["rows"]:

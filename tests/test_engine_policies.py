@@ -9,9 +9,9 @@ import pytest
 from impl.target import make_target
 from model.events import Group
 from model.policy import REGISTRY, Counts, basis
-from model.proof import prove, search_counterexample
-from model.z3model import policy_rule
 from properties.replay import replay
+from prove.proof import prove, search_counterexample
+from prove.z3model import policy_rule
 
 
 def test_engine_policies_are_registered_with_their_bases():

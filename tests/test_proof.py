@@ -12,7 +12,7 @@ from model import windows
 from model.events import KINDS, AddRequest, Group, Process, Schedule, Trace
 from model.observations import FreeObs, ProcessObs, StepObs
 from model.policy import REGISTRY
-from model.proof import (
+from prove.proof import (
     BoundResult,
     ProofResult,
     admission_bound,
@@ -22,8 +22,8 @@ from model.proof import (
     prove,
     prove_all,
 )
-from model.z3_arith import prove_lemmas
-from model.z3model import Z3_KINDS, exact_bound, policy_rule
+from prove.z3_arith import prove_lemmas
+from prove.z3model import Z3_KINDS, exact_bound, policy_rule
 
 # ------------------------------------------------------------------ helpers
 
@@ -100,7 +100,7 @@ def test_retained_tokens_reduce_to_a_wider_window():
     """sliding(W, R) frees as sliding(W+R) and a re-prefilling chunk reads
     inside its windows (both valid for all W, R); forgetting R is refuted
     with values."""
-    from model.proof import retained_checks
+    from prove.proof import retained_checks
 
     same, inside, slip = retained_checks()
     assert same.status == inside.status == "proved"
@@ -112,7 +112,7 @@ def test_retained_tokens_reduce_to_a_wider_window():
 
 
 def test_the_invariant_states_both_properties():
-    from model.z3model import make_params, safety_invariant
+    from prove.z3model import make_params, safety_invariant
 
     prm = make_params("sliding")
     names = safety_invariant(prm, prm.arith(abstract=True)).names()
@@ -209,7 +209,7 @@ def test_a_broken_rule_is_caught_with_a_counterexample():
 
 
 def test_the_counterexample_search_alone_finds_the_broken_rule():
-    from model.proof import search_counterexample
+    from prove.proof import search_counterexample
 
     settled = policy_rule("settled")
     found = search_counterexample(

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from model.events import AddRequest, Group, Trace
-from model.proof import prove
-from model.z3model import Z3_KINDS as KINDS
-from model.z3model import eval_skipped
 from properties.replay import replay
+from prove.proof import prove
+from prove.z3model import Z3_KINDS as KINDS
+from prove.z3model import eval_skipped
 
 
 def test_z3_skipped_agrees_with_the_reference_managers():

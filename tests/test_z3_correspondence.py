@@ -1,6 +1,6 @@
 """The Z3 terms say what model/windows.py says.
 
-The proofs in model/proof.py are about the Z3 terms of model/z3model.py; these
+The proofs in prove/proof.py are about the Z3 terms of prove/z3model.py; these
 tests tie those terms to the executable model (and, where a vLLM tree is at
 hand, to vLLM's own get_num_skipped_tokens), on many sampled inputs each.
 """
@@ -19,9 +19,9 @@ import z3
 
 from model import windows
 from model.events import Group
-from model.z3_arith import LEMMAS, Arith, prove_lemmas
-from model.z3model import Z3_KINDS as KINDS
-from model.z3model import (
+from prove.z3_arith import LEMMAS, Arith, prove_lemmas
+from prove.z3model import Z3_KINDS as KINDS
+from prove.z3model import (
     eval_freeable,
     eval_live_bound,
     eval_skipped,

@@ -48,7 +48,7 @@ Three layers, each mirrored from the executable model:
 
 3. **Invariants** (:func:`safety_invariant`, :func:`bound_invariant`) in the
    Ivy style: scalar conjuncts, conjuncts for all ``j`` and for all ``i < j``.
-   :mod:`model.proof` checks them one transition at a time.
+   :mod:`prove.proof` checks them one transition at a time.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ from typing import ClassVar
 
 import z3
 
-from .events import Group
-from .policy import REGISTRY, Counts
+from model.events import Group
+from model.policy import REGISTRY, Counts
+
 from .z3_arith import Arith, zmax, zmin
 
 WAIT, RUN, DONE = 0, 1, 2
@@ -183,7 +184,7 @@ class Z3Mamba(Z3Kind):
         return 2 * prm.B
 
 
-# the kinds with a one-request Z3 model (a head prefix freed); model/proof.py
+# the kinds with a one-request Z3 model (a head prefix freed); prove/proof.py
 # proves sink through full's model and R-SWA's middle gap with its own lemma
 Z3_MIRRORS: dict[str, Z3Kind] = {m.name: m for m in (Z3Full(), Z3Sliding(), Z3ChunkedLocal(),
                                                       Z3Mamba())}

@@ -1,9 +1,9 @@
 """Proofs, refutations and the admission bound, on the Z3 model of
-:mod:`model.z3model`.
+:mod:`prove.z3model`.
 
 ``prove_all()`` judges every (kind, policy):
 
-* **proved**: the invariant of :func:`model.z3model.safety_invariant` ("a
+* **proved**: the invariant of :func:`prove.z3model.safety_invariant` ("a
   block is freed only when it is outside every unprocessed step's window and
   no rollback can make it needed again", and no live step ever reads a NULL
   slot of its table) holds initially and is preserved by every transition,
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 
 import z3
 
-from .events import AddRequest, Config, Group, Process, Schedule, Trace
-from .kinds import KINDS as KIND_CLASSES
-from .policy import REGISTRY, Counts
-from .windows import live_bound as code_live_bound
+from model.events import AddRequest, Config, Group, Process, Schedule, Trace
+from model.kinds import KINDS as KIND_CLASSES
+from model.policy import REGISTRY, Counts
+from model.windows import live_bound as code_live_bound
+
 from .z3_arith import Arith, check_nonlinear, hint, prove_lemmas, zmax, zmin
 from .z3model import (
     RUN,
