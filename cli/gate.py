@@ -209,7 +209,7 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
     from properties.jobs import WorkerGone, _call, replay_beside
     from properties.machine import FuzzResult, RunStats
     from properties.replay import format_timeline
-    from properties.report import write_report
+    from report.report import write_report
 
     spec = spec_of(row)
     target = make_target(row["target"])

@@ -240,7 +240,7 @@ def cmd_fuzz(a) -> int:
     _check_capabilities(target, spec)
     progress = None
     if not a.quiet:
-        from properties.progress import Progress
+        from report.progress import Progress
 
         progress = Progress(f"fuzz {a.target} {a.kind}/{spec.policy}"
                             + (f" x{workers}" if workers > 1 else ""))
@@ -348,7 +348,7 @@ def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
     ``out`` cannot be written after all, in a new temporary folder (printed)."""
     import tempfile
 
-    from properties.report import save_counterexample
+    from report.report import save_counterexample
 
     try:
         return save_counterexample(rr, out, name, target, report)
@@ -360,7 +360,7 @@ def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
 
 def _print_report(rr, out: Path, name: str, target: str) -> None:
     """Write the counterexample's picture and pytest reproducer; print their paths."""
-    from properties.report import write_report
+    from report.report import write_report
 
     _print_report_paths(write_report(rr, out, name, target))
 

@@ -4,7 +4,7 @@ The timeline is written for a reviewer at 2 a.m.: one block of lines per
 event: what happened, each request's processed / in-flight / optimistic
 counts, its block table (``.`` NULL, ``*`` returned during this event) with
 the logical blocks each unprocessed step may read drawn under it; the
-violation marked with ``>>`` (see :mod:`properties.report`).
+violation marked with ``>>`` (see :mod:`report.report`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def format_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
     """The replay as a terminal timeline: per event, each request's counts
     ``p``/``f``/``c``, its block table (``N*`` returned now, ``.`` NULL) and the
     logical blocks each unprocessed step may read; the violation marked ``>>``
-    and its block ``>N*<``. Drawn by :func:`properties.report.render_timeline`."""
-    from properties.report import render_timeline
+    and its block ``>N*<``. Drawn by :func:`report.report.render_timeline`."""
+    from report.report import render_timeline
 
     return render_timeline(res, cfg, width)

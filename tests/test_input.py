@@ -29,7 +29,7 @@ from model.events import (
     config_for,
 )
 from properties.replay import replay
-from properties.report import save_counterexample, write_report
+from report.report import save_counterexample, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ_NAME = "reference-sliding-optimistic"  # the name fuzz gives the run below
@@ -133,7 +133,7 @@ def test_a_name_taken_meanwhile_is_given_back_and_the_next_tried(tmp_path, monke
     """A writer that takes a name between the check and the link (here: the
     picture appears just before it is linked) loses nothing of its own."""
     rr = replay(Trace.from_json(base_trace()), "reference")
-    import properties.report as report
+    import report.report as report
 
     real = report._place
 
@@ -485,7 +485,7 @@ def _long_decode(pairs: int, policy: str = "settled") -> Trace:
 
 
 def test_a_long_trace_draws_its_last_events_as_the_full_grid_would():
-    from properties.report import TIMELINE_EVENTS, build_grid, render_timeline
+    from report.report import TIMELINE_EVENTS, build_grid, render_timeline
 
     rr = replay(_long_decode(150), "reference")
     full, cut = build_grid(rr), build_grid(rr, shown=40)
@@ -507,7 +507,7 @@ def test_a_long_trace_draws_its_last_events_as_the_full_grid_would():
 
 
 def test_a_cut_grid_still_shows_the_violation():
-    from properties.report import build_grid
+    from report.report import build_grid
 
     d = base_trace()
     d["events"] = [e for i in range(25) for e in (

@@ -20,7 +20,7 @@ from model.events import AddRequest, Finish, Process, Schedule, Trace, config_fo
 from model.observations import AllocObs, FinishObs, FreeObs, Observed
 from properties.invariants import Checker
 from properties.replay import replay
-from properties.report import build_grid, render_timeline
+from report.report import build_grid, render_timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 

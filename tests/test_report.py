@@ -13,7 +13,7 @@ import pytest
 
 from model.events import AddRequest, Schedule, Trace, sliding
 from properties.replay import format_timeline, replay
-from properties.report import build_grid, render_png, write_report, write_reproducer
+from report.report import build_grid, render_png, write_report, write_reproducer
 from tests.vllm_targets import vllm_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,7 +234,7 @@ def _machine(examples, events):
 
 
 def test_progress_tty_single_line(monkeypatch):
-    from properties.progress import Progress
+    from report.progress import Progress
 
     monkeypatch.setenv("COLUMNS", "200")
     s, clock = io.StringIO(), FakeClock()
@@ -258,7 +258,7 @@ def test_progress_tty_single_line(monkeypatch):
 
 
 def test_progress_quiet_off_a_terminal():
-    from properties.progress import Progress
+    from report.progress import Progress
 
     s, clock = io.StringIO(), FakeClock()
     p = Progress("fuzz", stream=s, clock=clock)  # StringIO is no terminal
@@ -277,7 +277,7 @@ def test_progress_quiet_off_a_terminal():
 
 def test_progress_hooked_into_fuzz():
     from properties.machine import FuzzSpec, fuzz
-    from properties.progress import Progress
+    from report.progress import Progress
 
     calls = []
     s = io.StringIO()
