@@ -102,9 +102,9 @@ def _prove_rows(a) -> list[Row]:
 
 def _attention_rows(a) -> list[Row]:
     try:
-        from properties.attention import replay_attention
+        from confirm.attention import replay_attention
     except ImportError as e:
-        return [Row("attention", "all", "MISSING", False, f"properties.attention: {e}")]
+        return [Row("attention", "all", "MISSING", False, f"confirm.attention: {e}")]
     rows = []
     for path in sorted(Path("traces/attention").glob("*.json")):
         t0 = time.perf_counter()

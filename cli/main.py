@@ -453,7 +453,7 @@ def cmd_replay(a) -> int:
     else:
         print(f"verdict: {rr.held()}")
     if a.attention:
-        from properties.attention import format_report, replay_attention
+        from confirm.attention import format_report, replay_attention
 
         rep = replay_attention(trace, target_spec=target, dtype=a.dtype)
         print(format_report(rep))
@@ -494,8 +494,8 @@ def cmd_export(a) -> int:
 
 
 def cmd_diff(a) -> int:
+    from confirm.differential import diff
     from model.events import Trace
-    from properties.differential import diff
 
     trace = Trace.load(a.trace)
     diffs, n = diff(trace, a.left, a.right, physical=a.physical)

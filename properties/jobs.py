@@ -47,7 +47,7 @@ class _Sampler:
         self.missed: list[tuple[Trace, str]] = []
 
     def __call__(self, machine: Any) -> None:
-        from properties.attention import replay_attention
+        from confirm.attention import replay_attention
 
         self.seen += 1
         if self.seen % self.every or machine.cfg is None or not machine.events:

@@ -1028,8 +1028,8 @@ def section_attention(st: Settings, targets: Targets, clock: Clock) -> dict[str,
     try:
         import torch
 
-        from properties.attention import replay_attention
-    except Exception as e:  # noqa: BLE001 - properties/attention.py not there yet
+        from confirm.attention import replay_attention
+    except Exception as e:  # noqa: BLE001 - confirm/attention.py not there yet
         why = one_line(e)
         return {"rows": [not_ok("unavailable", why, device="cpu", workload="generated"),
                          not_ok("unavailable", why, device="cuda", workload="generated")]}

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from confirm.differential import diff, random_config, random_trace  # noqa: E402
 from impl.target import Unsupported, make_target  # noqa: E402
-from properties.differential import diff, random_config, random_trace  # noqa: E402
 
 
 def main() -> int:

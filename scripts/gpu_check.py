@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from confirm.attention import AttentionReport, replay_attention  # noqa: E402
+from confirm.attention_kernels import pick_device  # noqa: E402
 from model.events import Trace, TraceError  # noqa: E402
-from properties.attention import AttentionReport, replay_attention  # noqa: E402
-from properties.attention_kernels import pick_device  # noqa: E402
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -543,7 +543,7 @@ class AnchorError(Exception):
     pass
 
 
-_REPO_PARTS = ("model", "prove", "properties", "report", "impl", "cli", "kvcheck")
+_REPO_PARTS = ("model", "prove", "properties", "confirm", "report", "impl", "cli", "kvcheck")
 
 
 def _edit(m: Mutant, source: Path, dest: Path) -> None:

@@ -1,5 +1,5 @@
 """The attention replay: numerical confirmation that no step reads NULL or
-overwritten KV (properties/attention.py).
+overwritten KV (confirm/attention.py).
 
 Two layers of tests:
 
@@ -20,20 +20,20 @@ import numpy as np
 import pytest
 import torch
 
-from model.events import Config, Group, Trace, sliding
-from model.observations import AllocObs, FreeObs, ProcessObs, ReqStep, StepObs
-from properties.attention import (
+from confirm.attention import (
     format_report,
     replay_attention,
     run_observations,
 )
-from properties.attention_kernels import (
+from confirm.attention_kernels import (
     Shape,
     VllmKernel,
     kv_true,
     load_vllm_kernel,
     pick_device,
 )
+from model.events import Config, Group, Trace, sliding
+from model.observations import AllocObs, FreeObs, ProcessObs, ReqStep, StepObs
 from tests.vllm_targets import vllm_target
 
 ROOT = Path(__file__).resolve().parent.parent

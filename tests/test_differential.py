@@ -3,7 +3,7 @@
 A fixed set of random traces (seeded, a few per kind, every config knob
 drawn: block size, pool size, budget, depth 1 and 2, spec tokens, hazard,
 prefix caching) runs on ``reference`` and on ``vllm@0.33.0``;
-:func:`properties.differential.diff` compares, event by event, the steps
+:func:`confirm.differential.diff` compares, event by event, the steps
 scheduled (requests, positions, drafts, loads, NULL slots) and the blocks let
 go (request, group, slot, reason). Any disagreement fails with the first one.
 The remaining, understood differences (docs/DIFFERENCES.md) are pinned by
@@ -20,6 +20,7 @@ import random
 
 import pytest
 
+from confirm.differential import diff, random_config, random_trace
 from impl.reference import ReferenceTarget
 from impl.target import make_target
 from model.events import (
@@ -32,7 +33,6 @@ from model.events import (
     Trace,
     config_for,
 )
-from properties.differential import diff, random_config, random_trace
 from tests.vllm_targets import vllm_target
 
 pytestmark = pytest.mark.vllm

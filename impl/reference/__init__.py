@@ -18,7 +18,7 @@ Public API: :class:`ReferenceTarget` and :func:`prompt_token` (the prompt
 token at a position, the same for every request, which the prefix cache
 hashes).
 
-Cross-checked against vLLM with ``properties.differential`` (tests/
+Cross-checked against vLLM with ``confirm.differential`` (tests/
 test_differential.py, scripts/diff_sweep.py); docs/DIFFERENCES.md lists what
 still differs and why, with the agreement rates per kind and release.
 

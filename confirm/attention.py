@@ -63,20 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from impl.target import Target, TargetCrash, Unsupported
-from model.events import AddRequest, Config, Trace
-from model.observations import (
-    NULL,
-    AllocObs,
-    FinishObs,
-    FreeObs,
-    Item,
-    ProcessObs,
-    ReqStep,
-    StepObs,
-)
-from model.windows import reads
-from properties.attention_kernels import (
+from confirm.attention_kernels import (
     KERNEL_TOL,
     TAG_DRAFT,
     TAG_FAILED,
@@ -96,6 +83,19 @@ from properties.attention_kernels import (
     rid_stream,
     window_grid,
 )
+from impl.target import Target, TargetCrash, Unsupported
+from model.events import AddRequest, Config, Trace
+from model.observations import (
+    NULL,
+    AllocObs,
+    FinishObs,
+    FreeObs,
+    Item,
+    ProcessObs,
+    ReqStep,
+    StepObs,
+)
+from model.windows import reads
 
 
 class AttentionError(ValueError):
