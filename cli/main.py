@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the properties to enforce, e.g. 2 to look for null reads past "
                         "freed-while-read (default all)")
     f.add_argument("--quiet", action="store_true")
+    f.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the run's result to PATH, a new file, as JSON: verdict, "
+                        "property, counterexample length, message, witnesses, examples, trace")
     f.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="after a violation also write <out>/<name>.png (blocks against events) "
                         "and <out>/test_<name>.py (a standalone pytest reproducer); default on")
@@ -228,6 +232,8 @@ def cmd_fuzz(a) -> int:
         raise UsageError(f"--workers {workers}: must be at least 1")
     workers = min(workers, a.examples)
     _usable_out(a.out)
+    if a.json is not None:
+        _usable_json(a.json)
     db_path = None
     if a.db is not None:
         from properties.database import open_database
@@ -261,6 +267,7 @@ def cmd_fuzz(a) -> int:
             path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
             print(first_bad)
             print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
+            _write_json(a.json, res.to_json(trace_path=str(path)))
             return EXIT_VIOLATION
     if res.crash:
         path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
@@ -269,6 +276,7 @@ def cmd_fuzz(a) -> int:
         if path:
             print(f"trace saved: {path} ({len(res.trace.events)} events, the last one the "
                   f"event the target failed on)")
+        _write_json(a.json, res.to_json(trace_path=str(path) if path else None))
         return EXIT_TARGET
     if res.violation is not None:
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
@@ -281,13 +289,38 @@ def cmd_fuzz(a) -> int:
         print(f"trace saved: {rep.trace}")
         print(f"replay: ./kvcheck replay {rep.trace} --target {a.target}")
         _print_report_paths(rep)
+        _write_json(a.json, res.to_json(violation=v, trace_path=str(rep.trace)))
         return EXIT_VIOLATION
     vac = res.vacuous
+    _write_json(a.json, res.to_json())
     if vac:
         print(f"verdict: VACUOUS (never reached: {', '.join(vac)})")
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
+
+
+def _usable_json(path: str) -> None:
+    """Refuse a ``--json`` path before the run (exit 2): one that exists
+    (nothing is overwritten) or whose folder is missing or not writable."""
+    p = Path(path)
+    if not str(path).strip():
+        raise UsageError("--json '': name a file")
+    if p.exists() or p.is_symlink():
+        raise UsageError(f"--json {path}: exists; name a new file")
+    folder = p.parent
+    if not folder.is_dir():
+        raise UsageError(f"--json {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--json {path}: cannot write in {folder}")
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path is None:
+        return
+    with open(path, "x") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
 
 
 def _parse_props(text: str) -> frozenset[int]:

@@ -508,6 +508,58 @@ class FuzzResult:
     def vacuous(self) -> list[str]:
         return sorted(w for w in self.stats.expected if not self.stats.witness.get(w))
 
+    @property
+    def verdict(self) -> str:
+        """The run's verdict, in the order the CLI decides it: ``crashed``,
+        ``violation``, ``missed`` (attention saw a bad read the checker did
+        not), ``vacuous`` (an expected witness never reached), ``holds``."""
+        if self.crash:
+            return "crashed"
+        if self.violation is not None:
+            return "violation"
+        if self.attention is not None and self.attention[1]:
+            return "missed"
+        return "vacuous" if self.vacuous else "holds"
+
+    def to_json(self, violation: Violation | None = None,
+                trace_path: str | None = None) -> dict[str, Any]:
+        """The run as JSON (``./kvcheck fuzz --json``): the verdict, the
+        violated property and the counterexample's length, the witnesses and
+        event counts, and where the trace was saved. ``violation``: the one the
+        saved trace replays to, when it is not the run's own."""
+        v = violation or self.violation
+        verdict = self.verdict
+        if verdict == "crashed":
+            message = next((ln.strip() for ln in reversed(self.crash.splitlines()) if ln.strip()),
+                           "the target crashed")
+        elif verdict == "violation":
+            message = f"VIOLATION {v}"
+        elif verdict == "missed":
+            message = str(self.attention[1][0][1])
+        elif verdict == "vacuous":
+            message = f"never reached: {', '.join(self.vacuous)}"
+        else:
+            message = "all properties hold"
+        st = self.stats
+        return {
+            "verdict": verdict,
+            "property": v.prop if verdict == "violation" else None,
+            "property_name": v.name if verdict == "violation" else None,
+            "events": len(self.trace.events) if self.trace is not None else None,
+            "message": message,
+            "crash": self.crash,
+            "target": self.spec.target, "kind": self.spec.kind, "policy": self.spec.policy,
+            "examples": st.examples,
+            "examples_to_fail": self.examples_to_fail,
+            "event_counts": dict(sorted(st.events.items())),
+            "witnesses": dict(st.witness),
+            "vacuous": self.vacuous,
+            "refused": dict(st.refused),
+            "trace": trace_path,
+            "seconds": round(self.seconds, 3),
+            "workers": self.workers,
+        }
+
 
 def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
          database: Any = None, target: Target | None = None,

@@ -512,7 +512,6 @@ MUTANTS: tuple[Mutant, ...] = (
         frozenset({2}), subject="reference", failed_loads=True),
 )
 
-_VERDICT = re.compile(r"verdict: VIOLATION of property (\d) \(([^)]*)\) after shrinking to (\d+)")
 
 
 @dataclass
@@ -588,6 +587,8 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     tree = mutant_tree(m, work / m.name)
     dest = out / m.name
     shutil.rmtree(dest, ignore_errors=True)
+    result = (work / f"{m.name}.result.json").absolute()  # the verdict (kvcheck fuzz --json)
+    result.unlink(missing_ok=True)
     if m.subject == "vllm":
         cli, target = ROOT / "kvcheck", f"vllm@{tree}"
     else:
@@ -595,22 +596,23 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     cmd = [sys.executable, str(cli), "fuzz", "--target", target, *row.args,
            "--examples", str(max(examples, m.min_examples)), "--seed", str(seed),
            "--workers", "1", "--quiet",
-           "--no-report", "--out", str(dest)]
+           "--no-report", "--out", str(dest), "--json", str(result)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800,
                        env=dict(os.environ, KVCHECK_NO_VENV="1"))
     row.seconds = round(time.monotonic() - t0, 1)
     lines = (p.stdout + p.stderr).splitlines()
-    if p.returncode == 0:
-        row.outcome, row.message = "survived", "all properties hold"
-    elif p.returncode == 1 and (v := _VERDICT.search(p.stdout)):
+    res = json.loads(result.read_text()) if result.is_file() else {}
+    verdict = res.get("verdict")
+    if p.returncode == 0 and verdict == "holds":
+        row.outcome, row.message = "survived", res["message"]
+    elif p.returncode == 1 and verdict == "violation":
         row.outcome = "killed"
-        row.prop, row.prop_name, row.events = int(v.group(1)), v.group(2), int(v.group(3))
-        said = [ln.strip(" >") for ln in lines if ln.lstrip(" >").startswith("VIOLATION property")]
-        row.message = said[0] if said else v.group(0)
-    elif p.returncode == 1 and any(ln.startswith("verdict: VACUOUS") for ln in lines):
+        row.prop, row.prop_name, row.events = res["property"], res["property_name"], res["events"]
+        row.message = res["message"]
+    elif p.returncode == 1 and verdict == "vacuous":
         row.outcome = "vacuous"
-        row.message = next(ln for ln in lines if ln.startswith("verdict: VACUOUS"))
+        row.message = f"verdict: VACUOUS ({res['message']})"
     elif p.returncode == 3:
         row.outcome = "crashed"
         row.message = _crash_line(lines)

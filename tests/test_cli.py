@@ -112,3 +112,35 @@ def test_fuzz_confirms_every_nth_example_with_attention():
     line = next(x for x in out.splitlines() if x.startswith("attention:"))
     assert int(line.split()[1]) >= 5
     assert ", 0 where attention saw a bad read" in line
+
+
+def test_fuzz_json_carries_the_verdict_the_cli_prints(tmp_path):
+    """``--json`` writes the same verdict the CLI prints: the violated property,
+    the counterexample's length and the trace it saved."""
+    out, result = tmp_path / "out", tmp_path / "result.json"
+    code, stdout, err = run("fuzz", "--kind", "sliding", "--policy", "optimistic",
+                            "--examples", "200", "--seed", "1", "--workers", "1", "--quiet",
+                            "--no-report", "--out", str(out), "--json", str(result))
+    assert code == 1, stdout + err
+    r = json.loads(result.read_text())
+    said = next(ln for ln in stdout.splitlines() if ln.startswith("verdict: VIOLATION"))
+    assert said == (f"verdict: VIOLATION of property {r['property']} ({r['property_name']}) "
+                    f"after shrinking to {r['events']} events")
+    assert r["verdict"] == "violation" and r["property"] == 1
+    assert r["message"] in {ln.strip(" >") for ln in stdout.splitlines()}
+    assert len(json.loads(Path(r["trace"]).read_text())["events"]) == r["events"]
+    assert r["examples"] >= 1 and r["witnesses"]
+
+
+def test_fuzz_json_holds_and_refuses_an_existing_file(tmp_path):
+    result = tmp_path / "result.json"
+    code, out, err = run("fuzz", "--kind", "full", "--examples", "20", "--seed", "1",
+                         "--workers", "1", "--quiet", "--out", str(tmp_path / "out"),
+                         "--json", str(result))
+    r = json.loads(result.read_text())
+    assert (code, r["verdict"]) in {(0, "holds"), (1, "vacuous")}, out + err
+    assert r["property"] is None and r["trace"] is None and r["examples"] >= 20
+    before = result.read_text()
+    code, out, err = run("fuzz", "--kind", "full", "--examples", "5", "--json", str(result))
+    assert code == 2 and "exists" in err and "Traceback" not in err
+    assert result.read_text() == before
