@@ -50,7 +50,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 bench: venv vllms
-	$(PY) scripts/bench.py
+	$(PY) -m bench
 
 nightly: venv vllms
 	NIGHTLY_MINUTES=$(NIGHTLY_MINUTES) $(PY) scripts/nightly.py

@@ -542,7 +542,8 @@ class AnchorError(Exception):
     pass
 
 
-_REPO_PARTS = ("model", "prove", "properties", "confirm", "report", "impl", "cli", "kvcheck")
+_REPO_PARTS = ("model", "prove", "properties", "confirm", "report", "impl", "cli", "bench",
+               "kvcheck")
 
 
 def _edit(m: Mutant, source: Path, dest: Path) -> None:

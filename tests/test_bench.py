@@ -1,4 +1,4 @@
-"""scripts/bench.py: a tiny in-process run writes a complete, well-formed report.
+"""bench (python -m bench): a tiny in-process run writes a complete, well-formed report.
 
 Sizes are cut to a few steps and one seed so this takes seconds; a target
 that does not exist (``vllm@0.0.1``) stands in for one that is not available,
@@ -7,27 +7,18 @@ so the "not yet available" rows are exercised without importing vLLM.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import bench.core as bench
+
 ROOT = Path(__file__).resolve().parent.parent
 MISSING = "vllm@0.0.1"
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("kvcheck_bench", ROOT / "scripts" / "bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvcheck_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_bench()
 
 # fields an "ok" row must fill, per section
 REQUIRED = {

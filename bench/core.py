@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """kvcheck's benchmark: what checking costs, and how fast it finds bugs.
 
-``make bench`` runs this script; ``BENCH_QUICK=1 make bench`` (or
+``make bench`` runs this (``python -m bench``); ``BENCH_QUICK=1 make bench`` (or
 ``--quick``) is a smoke run with small sizes. It writes
 
 * ``reports/bench.md``: the tables a person reads;
@@ -644,7 +644,7 @@ def measure_ceiling(spec: str, s: Stream, repeats: int) -> dict[str, Any]:
     """:func:`ceiling_job` in a worker beside ``spec``, as figures."""
     from properties.jobs import _call
 
-    m = _call(spec, 0, "scripts.bench:ceiling_job",
+    m = _call(spec, 0, "bench.core:ceiling_job",
               (spec, s.config, s.events, s.start, repeats))
     ratio = [r / c for r, c in zip(m["raw_s"], m["checked_s"], strict=True)]
     ratio_cpu = [r / c for r, c in zip(m["raw_cpu_s"], m["checked_cpu_s"], strict=True)

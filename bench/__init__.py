@@ -1,0 +1,1 @@
+"""kvcheck's benchmarks (make bench): python -m bench."""

@@ -1,0 +1,7 @@
+"""``python -m bench``: run the benchmarks (see :mod:`bench.core`)."""
+
+import sys
+
+from bench.core import main
+
+sys.exit(main())
