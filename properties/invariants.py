@@ -969,8 +969,10 @@ class Checker:
         if not self.pending:
             if not active and c.free_blocks not in (c.total_blocks - 1,
                                                     c.total_blocks - 1 - len(self.reserved)):
+                n = c.total_blocks - 1 - c.free_blocks
                 self._v(3, f"leak: no request is live and nothing is in flight, yet only "
-                           f"{c.free_blocks} of {c.total_blocks - 1} blocks are free")
+                           f"{c.free_blocks} of {c.total_blocks - 1} blocks are free: {n} "
+                           f"block(s) never returned to the pool")
             for rid, rc in active:
                 if rc.in_flight:
                     self._v(4, f"{rid} reports {rc.in_flight} tokens in flight while no step "

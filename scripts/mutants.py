@@ -210,7 +210,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                        break\n",
         "under pool pressure the scheduler preempts a victim whose blocks wait behind its "
         "in-flight steps (vLLM #49674)",
-        ("--kind", "full", *_CONSUMER), frozenset({7})),
+        ("--kind", "full", *_CONSUMER), frozenset({7}), min_examples=400),
     Mutant(
         "preempted-request-lost", CORE + "sched/scheduler.py",
         "        # Put the request back to the waiting queue.\n"

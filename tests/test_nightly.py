@@ -229,7 +229,15 @@ def test_redis_database_replays_a_failure_first(tmp_path, redis_url, monkeypatch
     row = {"id": "reference-sliding-optimistic-depth2", "target": "reference",
            "kind": "sliding", "policy": "optimistic", "knobs": {"depth": 2},
            "unavailable": None}
-    res = run_row(row, 10, str(unused), tmp_path / "reports")
+    # the row runs in a worker, which takes its environment when it starts: one
+    # an earlier test started would not see KVCHECK_REDIS_URL
+    from impl.worker import shutdown_plain
+
+    shutdown_plain()
+    try:
+        res = run_row(row, 10, str(unused), tmp_path / "reports")
+    finally:
+        shutdown_plain()  # the next test's workers must not inherit this Redis URL
     assert res["verdict"].startswith("VIOLATION p1") and res["examples_to_fail"] == 1
     assert res["replayed_from_database"] >= 1
     assert (tmp_path / "reports" / "rows" / f"{row['id']}.json").is_file()
