@@ -132,6 +132,8 @@ def known_findings(folder: Path = FINDINGS) -> list[Finding]:
     for path in sorted(folder.glob("*.json")):
         t = Trace.load(path)
         m = t.meta
+        if "+" in str(m.get("target", "")):
+            continue  # a counterexample to a candidate fix, not a finding on a release
         crash = "crash" in m
         out.append(Finding(path.stem, None if crash else int(m.get("prop", 2)),
                            m["crash"] if crash else m["expect"],
@@ -149,6 +151,7 @@ def classify(res: Any, findings: list[Finding]) -> str | None:
     events = {type(e).__name__ for e in trace.events} if trace else set()
     kinds = {g.kind for g in trace.config.groups} if trace else {res.spec.kind}
     drafter = trace.config.drafter if trace else res.spec.drafter
+    matches = []
     for f in findings:
         if res.crash is not None:
             if f.prop is not None or f.text not in res.crash:
@@ -158,8 +161,9 @@ def classify(res: Any, findings: list[Finding]) -> str | None:
             if v is None or f.prop != v.prop or f.text not in v.message:
                 continue
         if f.events <= events and f.kinds <= kinds and f.drafter == drafter:
-            return f.name
-    return None
+            matches.append(f)
+    # the most specific finding: the one whose trace needs the most event types
+    return max(matches, key=lambda f: (len(f.events), len(f.kinds))).name if matches else None
 
 
 # ----------------------------------------------------------------- one row

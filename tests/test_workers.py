@@ -133,7 +133,12 @@ def test_gate_matrix_and_known_findings():
         else:
             res = FuzzResult(None, RunStats(), violation=Violation(f.prop, f"... {f.text} ..."),
                              trace=t)
-        assert classify(res, findings) == f.name
+        # the finding itself, or one of the same signature (findings of one bug
+        # on two configs of one shape are both known; either name is right)
+        got = next(g for g in findings if g.name == classify(res, findings))
+        assert (got.prop, got.text, got.events, got.kinds, got.drafter) == \
+            (f.prop, f.text, f.events, f.kinds, f.drafter), (f.name, got.name)
+    assert not any(f.name == "failed-load-rollback-to-held-window-reads-null" for f in findings)
     # the same message on a counterexample without the finding's events is new
     sliding = next(f for f in findings if f.name == "failed-load-recompute-reads-null-sliding")
     t = Trace.load(ROOT / "findings" / f"{sliding.name}.json")
