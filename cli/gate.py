@@ -6,7 +6,7 @@ the release supports x hazard ordered / unordered x depth 1 / 2 / 3 (pipeline
 parallel) x drafts off / on (2 draft tokens) x prefix caching off / on x
 connector loads that never fail / may fail (unordered only: loads need a
 KV-consumer connector). Rows the target cannot run are left out with the
-reason (Mamba's align mode: prefix caching on, no drafts; failed loads need a
+reason (Mamba's align mode: prefix caching on; failed loads need a
 single KV-cache group). ``scripts/nightly.py`` runs the same rows (and the
 reference's) through :func:`run_rows` with a longer budget.
 
@@ -94,7 +94,7 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None
                                      "failed_loads": fail}
                             rows.append(make_row(target, kind, policy, knobs))
     if "mamba" in kinds:
-        notes.append("mamba: prefix caching on and no drafts only (vLLM's align mode here)")
+        notes.append("mamba: prefix caching on only (vLLM's align mode here)")
     if "hybrid" in kinds:
         notes.append("hybrid: no failed-load rows (a failed load needs a single KV-cache group)")
     return rows, notes

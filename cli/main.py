@@ -205,6 +205,8 @@ def _summary(res, verbose: bool = True) -> str:
     if st.refused:
         lines.append("refused by the target (examples dropped): "
                      + ", ".join(f"{k} {v}" for k, v in sorted(st.refused.items())))
+    if len(st.layouts) > 1:  # several group mixes drawn (hybrid): examples run per mix
+        lines.append("layouts: " + ", ".join(f"{k} {v}" for k, v in sorted(st.layouts.items())))
     if verbose:
         from properties.invariants import WITNESSES
 
@@ -357,8 +359,9 @@ def _validate_spec(spec, a) -> None:
     if spec.drafter != "ngram" and (spec.kind in ("hybrid", "mamba")
                                     or (kind is not None and kind.beside)):
         raise UsageError(f"--drafter {spec.drafter}: single attention groups only (vLLM plans "
-                         "the draft layer of a hybrid model as a group of its own, and Mamba's "
-                         "align mode takes no drafts here)")
+                         "the draft layer of a hybrid or Mamba model as a KV-cache group of its "
+                         "own, which the checker's configs cannot state; Mamba and hybrids take "
+                         "n-gram drafts)")
     if spec.block_sizes != "uniform" and spec.kind != "hybrid":
         raise UsageError(f"--group-block-sizes {spec.block_sizes}: several groups only "
                          f"(--kind hybrid), got --kind {spec.kind}")

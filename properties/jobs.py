@@ -189,6 +189,7 @@ def merge(spec: FuzzSpec, results: list[FuzzResult]) -> FuzzResult:
         stats.witness.update(r.stats.witness)
         stats.expected |= r.stats.expected
         stats.refused.update(r.stats.refused)
+        stats.layouts.update(r.stats.layouts)
     out = FuzzResult(spec, stats, seconds=max((r.seconds for r in results), default=0.0))
     crashed = [r for r in results if r.crash is not None]
     failed = [r for r in results if r.violation is not None]

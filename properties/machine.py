@@ -131,6 +131,7 @@ class RunStats:
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
     refused: Counter = field(default_factory=Counter)  # what the target could not take
+    layouts: Counter = field(default_factory=Counter)  # examples run per group mix ("full+mamba")
 
 
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
@@ -161,11 +162,11 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         elif spec.kind == "hybrid":
             # full plus one or two local groups (Gemma-, Llama-4-style models),
             # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
-            # block-sized Mamba states only with prefix caching and no drafts,
+            # block-sized Mamba states only with prefix caching (align mode),
             # and with connector loads it stops at findings/README.md's finding
             # 5 (the Mamba kind finds that): Mamba joins only with --no-external
             mixes = [("sliding",), ("chunked_local",), ("sliding", "chunked_local")]
-            if prefix and not spec_tokens and not spec.external:
+            if prefix and not spec.external:
                 mixes += [("mamba",), ("sliding", "mamba")]
             if spec.block_sizes == "mixed":
                 # vLLM's chunked-local manager takes no block size but the
@@ -345,6 +346,7 @@ class KVMachine(RuleBasedStateMachine):
             # nothing is visible
             cls.stats.refused["config"] += 1
             reject()
+        cls.stats.layouts["+".join(g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
         self.counters = obs.counters
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
@@ -555,6 +557,7 @@ class FuzzResult:
             "witnesses": dict(st.witness),
             "vacuous": self.vacuous,
             "refused": dict(st.refused),
+            "layouts": dict(st.layouts),
             "trace": trace_path,
             "seconds": round(self.seconds, 3),
             "workers": self.workers,

@@ -361,6 +361,21 @@ def test_settled_reference_keeps_the_invariants():
         assert all(r.status == "finished" and not any(r.live) for r in c.reqs.values())
 
 
+def test_hybrids_with_mamba_take_ngram_drafts():
+    """With prefix caching on and no connector loads, --kind hybrid draws full
+    + Mamba and full + sliding + Mamba with drafts too; the reference holds
+    and a rejection rolls a Mamba request back below the block edge whose
+    state its step wrote."""
+    from properties.machine import FuzzSpec, fuzz
+
+    res = fuzz(FuzzSpec(kind="hybrid", prefix_caching=True, spec_tokens=2, external=False,
+                        depth=2), 150, seed=2)
+    assert res.violation is None and res.crash is None, res.violation or res.crash
+    assert not res.vacuous, res.vacuous
+    assert res.stats.layouts["full+mamba"] and res.stats.layouts["full+sliding+mamba"]
+    assert res.stats.witness["checkpoint_near_rejection"] > 0
+
+
 def test_optimistic_is_caught_by_the_same_checker():
     """The checker is not vacuous: it finds the optimistic policy's hazards."""
     found = Counter()

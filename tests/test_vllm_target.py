@@ -471,6 +471,38 @@ def test_mamba_beside_attention_shares_the_attention_page():
         assert len(ids) == len(set(ids))  # one pool: no block in two groups
 
 
+def test_a_hybrid_with_mamba_takes_drafts_in_the_layout_vllm_plans():
+    """full + sliding + Mamba with two n-gram drafts (align mode): vLLM's
+    planner keeps three groups in one pool (the Mamba page padded to the
+    attention page), a decode's Mamba table reaches two state slots past its
+    running one, and a rejection rolls the request back below the block edge
+    whose state that decode wrote: the checker sees that and nothing wrong."""
+    from properties.invariants import Checker
+
+    cfg = Config(groups=(Group("full"), Group("sliding", 8), Group("mamba")), block_size=8,
+                 num_blocks=64, max_model_len=64, prefix_caching=True, spec_tokens=2, depth=1,
+                 max_num_batched_tokens=32)
+    evs = [AddRequest("r0", 15, 6), Schedule(), Process(), Schedule(), Process(), Schedule(),
+           Process(accepted={"r0": 0}), Schedule()]
+    t = target(FIXED)
+    checker = Checker(cfg)
+    checker.feed(None, t.reset(cfg))
+    obs = []
+    for ev in evs:
+        obs.append(t.apply(ev))
+        checker.feed(ev, obs[-1])
+    (decode,) = step_of(obs[5]).reqs
+    assert (decode.start, decode.end, decode.spec) == (15, 18, 2)
+    full, sliding, mamba = decode.tables
+    assert len(full) == len(sliding) == 3 and len(mamba) == 17 // 8 + 1 + 2
+    ids = [b for tb in decode.tables for b in tb if b != NULL]
+    assert len(ids) == len(set(ids))  # one pool: no block in two groups
+    (after,) = step_of(obs[7]).reqs
+    assert after.start == 16  # 18 rolled back by the two rejected drafts
+    assert checker.violations == []
+    assert checker.witness["checkpoint_near_rejection"] == 1
+
+
 # ------------------------------------------------------------------ EAGLE
 
 
