@@ -356,12 +356,15 @@ def _validate_spec(spec, a) -> None:
     if kind is not None and not kind.reads_positions and a.attention_every > 0:
         raise UsageError(f"--attention-every: the attention replay reads positions' KV, and "
                          f"{spec.kind}'s blocks hold none")
-    if spec.drafter != "ngram" and (spec.kind in ("hybrid", "mamba")
-                                    or (kind is not None and kind.beside)):
-        raise UsageError(f"--drafter {spec.drafter}: single attention groups only (vLLM plans "
-                         "the draft layer of a hybrid or Mamba model as a KV-cache group of its "
-                         "own, which the checker's configs cannot state; Mamba and hybrids take "
-                         "n-gram drafts)")
+    # vLLM plans the draft layer of a hybrid model as a group of its own; the
+    # checker drives that beside Mamba (full + draft [+ sliding] + Mamba)
+    if spec.drafter != "ngram" and (spec.kind == "hybrid" or (kind is not None and kind.beside)) \
+            and (spec.kind != "hybrid" or spec.prefix_caching is False or spec.external
+                 or spec.block_sizes != "uniform"):
+        raise UsageError(f"--drafter {spec.drafter}: single attention groups, Mamba, or "
+                         "--kind hybrid with Mamba (--prefix-caching on --no-external, "
+                         "uniform block sizes): vLLM plans the draft layer of a hybrid "
+                         "model as a group of its own, driven beside Mamba only")
     if spec.block_sizes != "uniform" and spec.kind != "hybrid":
         raise UsageError(f"--group-block-sizes {spec.block_sizes}: several groups only "
                          f"(--kind hybrid), got --kind {spec.kind}")

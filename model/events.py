@@ -275,6 +275,11 @@ class Group:
     # state blocks a Mamba group holds for drafts (vLLM's num_speculative_blocks,
     # the model's num_speculative_tokens); not saved: the Config sets it
     spec_blocks: int = 0
+    # the group of an EAGLE / MTP drafter's attention layer (full attention):
+    # vLLM plans it apart from a hybrid or Mamba model's own groups (an EAGLE
+    # group, is_eagle_group). Its KV at a prompt position is built with the next
+    # token. Saved as "draft": true
+    draft: bool = False
 
     @property
     def spec(self) -> Kind:
@@ -288,6 +293,7 @@ class Group:
 
     def label(self) -> str:
         name = self.spec.label() if self.kind in KIND_CLASSES else self.kind
+        name = f"{name}(draft)" if self.draft else name
         return f"{name}[B={self.block_size}]" if self.block_size else name
 
 
@@ -335,6 +341,16 @@ class Config:
         if self.drafter != "mtp" or not _is_int(self.spec_tokens) or self.spec_tokens < 2:
             return 0
         return self.spec_tokens - 1
+
+    @property
+    def draft_group(self) -> int | None:
+        """The group holding an EAGLE / MTP drafter's KV: the group stated as the
+        draft layer's (vLLM plans it apart beside a hybrid or Mamba model's
+        groups), else group 0, which the draft layer shares (a model of one
+        attention group); None without such a drafter."""
+        if self.drafter not in ("eagle", "mtp"):
+            return None
+        return next((i for i, g in enumerate(self.groups) if g.draft), 0)
 
     @property
     def kind(self) -> str:
@@ -386,7 +402,8 @@ class Config:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["groups"] = [{"kind": g.kind, **({"param": g.param} if g.param else {}),
-                        **({"block_size": g.block_size} if g.block_size else {})}
+                        **({"block_size": g.block_size} if g.block_size else {}),
+                        **({"draft": True} if g.draft else {})}
                        for g in self.groups]
         if self.drafter == "ngram":
             del d["drafter"]  # traces saved before drafters were configurable
@@ -410,9 +427,11 @@ class Config:
         groups = []
         for i, g in enumerate(gs):
             if not isinstance(g, dict) or "kind" not in g or \
-                    set(g) - {"kind", "param", "block_size"}:
+                    set(g) - {"kind", "param", "block_size", "draft"}:
                 raise TraceError(f"config: groups[{i}] must be {{'kind': K, 'param': N}} "
-                                 f"(and optionally 'block_size': N)")
+                                 f"(and optionally 'block_size': N, 'draft': true)")
+            if not isinstance(g.get("draft", False), bool):
+                raise TraceError(f"config: groups[{i}].draft must be true or false")
             p = g.get("param", 0)
             if not _is_int(p):
                 raise TraceError(f"config: groups[{i}].param must be an integer")
@@ -420,7 +439,7 @@ class Config:
             if "block_size" in g and (not _is_int(gb) or gb < 1):
                 raise TraceError(f"config: groups[{i}].block_size must be a positive integer, "
                                  f"got {_short(gb)}")
-            groups.append(Group(g["kind"], p, gb))
+            groups.append(Group(g["kind"], p, gb, draft=g.get("draft", False)))
         kw = {k: v for k, v in d.items() if k != "groups"}
         cfg = Config(groups=tuple(groups), **kw)
         cfg.validate()
@@ -501,6 +520,12 @@ class Config:
         if self.drafter == "mtp" and self.spec_tokens % MTP_MODULES:
             raise TraceError(f"config: drafter mtp ({MTP_MODULES} modules) needs spec_tokens "
                              f"divisible by {MTP_MODULES}, got {self.spec_tokens}")
+        drafts = [g for g in self.groups if g.draft]
+        if drafts and (self.drafter == "ngram" or len(drafts) > 1 or drafts[0].kind != "full"
+                       or len(self.groups) < 2):
+            raise TraceError("config: a draft group is the one full-attention group of an EAGLE "
+                             "or MTP drafter's layer, beside the model's own groups (drafter "
+                             "eagle or mtp)")
         if not isinstance(self.kv_load_failure_policy, str) or \
                 self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise TraceError(f"config: unknown kv_load_failure_policy "

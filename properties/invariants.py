@@ -253,12 +253,13 @@ class Checker:
         # groups read whole by every step and held to the request's end (ring, cross)
         self._held_groups = tuple(gi for gi, g in enumerate(cfg.groups)
                                   if not g.spec.reads_positions)
-        # EAGLE's draft layer shares group 0; its KV at a prompt position q is
+        # EAGLE's draft layer shares group 0, or has a group of its own beside a
+        # hybrid or Mamba model's (Config.draft_group); its KV at a prompt position q is
         # built from q's hidden state and token q + 1, so it is valid only for
         # requests that also agree on the next token (what vLLM's hit drop and
         # lookahead hashes are for). Past the prompt, tokens are the request's
         # own outputs and drafts: keyed by position as in every other group.
-        self._lookahead_group = 0 if cfg.drafter in ("eagle", "mtp") else None
+        self._lookahead_group = cfg.draft_group
         # positions a step continuing a prefill computes again (a multi-module
         # MTP drafter's retained tokens), the most over the groups
         self._reprefill = max(g.spec.reprefill() for g in cfg.groups)

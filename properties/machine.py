@@ -131,7 +131,8 @@ class RunStats:
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
     refused: Counter = field(default_factory=Counter)  # what the target could not take
-    layouts: Counter = field(default_factory=Counter)  # examples run per group mix ("full+mamba")
+    # examples run per group mix ("full+mamba"; "draft": a drafter's own group)
+    layouts: Counter = field(default_factory=Counter)
 
 
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
@@ -155,17 +156,28 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         def param(k: type[Kind]) -> int:
             return k.fuzz_param(window, chunk, B, lambda lo, hi: draw(st.integers(lo, hi)))
 
+        # vLLM plans an EAGLE / MTP drafter's attention layer as a group of its
+        # own beside a Mamba or hybrid model's groups (after the first
+        # attention group, or after the Mamba group of a Mamba-only model)
+        drafted = spec.drafter in ("eagle", "mtp") and (
+            spec.kind == "hybrid" or bool(kind and kind.holds_state))
+        if drafted and spec.prefix_caching is None:
+            prefix = True  # Mamba's align mode (the CLI refuses it off)
         if kind is not None:
             groups = (Group(spec.kind, param(kind)),)
             if kind.beside:  # a ring or cross attention lies beside attention layers
                 groups = (Group(kind.beside), *groups)
+            if drafted:
+                groups = (*groups, Group("full", draft=True))
         elif spec.kind == "hybrid":
             # full plus one or two local groups (Gemma-, Llama-4-style models),
             # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
             # block-sized Mamba states only with prefix caching (align mode),
             # and with connector loads it stops at findings/README.md's finding
             # 5 (the Mamba kind finds that): Mamba joins only with --no-external
-            mixes = [("sliding",), ("chunked_local",), ("sliding", "chunked_local")]
+            # (with a model-based drafter, only these: the CLI holds the options)
+            mixes = [] if drafted else [("sliding",), ("chunked_local",),
+                                        ("sliding", "chunked_local")]
             if prefix and not spec.external:
                 mixes += [("mamba",), ("sliding", "mamba")]
             if spec.block_sizes == "mixed":
@@ -173,7 +185,8 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                 # scheduler's (an assertion in its find_longest_cache_hit)
                 mixes = [m for m in mixes if not any(KINDS[k].vllm_one_block_size for k in m)]
             local = draw(st.sampled_from(mixes))
-            groups = (Group("full"), *(Group(k, param(KINDS[k])) for k in local))
+            groups = (Group("full"), *((Group("full", draft=True),) if drafted else ()),
+                      *(Group(k, param(KINDS[k])) for k in local))
             if spec.block_sizes == "mixed":
                 groups = draw(_mixed_block_sizes(groups, B))
         else:
@@ -346,7 +359,7 @@ class KVMachine(RuleBasedStateMachine):
             # nothing is visible
             cls.stats.refused["config"] += 1
             reject()
-        cls.stats.layouts["+".join(g.kind for g in cfg.groups)] += 1
+        cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
         self.counters = obs.counters
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None

@@ -365,6 +365,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "EAGLE's lookahead block hash leaves out the token after the block (no hit drop then)",
         ("--kind", "full", "--drafter", "eagle", "--hazard", "ordered", *_PC, *_ASYNC),
         frozenset({2}), min_examples=300, max_events=16),
+    Mutant(
+        "mamba-eagle-hash-skips-next-token", CORE + "kv_cache_utils.py",
+        "                    extra_keys = (extra_keys, request.all_token_ids[end_token_idx])\n",
+        "                    extra_keys = (extra_keys, None)\n",
+        "the same hash slip beside Mamba, where vLLM plans EAGLE's draft layer as a group of "
+        "its own: a hit reads the draft group's KV built with another next token",
+        ("--kind", "mamba", "--drafter", "eagle", "--no-external", *_PC, *_ASYNC),
+        frozenset({2}), min_examples=300, max_events=16),
     # groups of different block sizes (vLLM's page-size unification): a coarser
     # group's blocks are keyed by fine hashes (hash_block_size, their GCD)
     Mutant(

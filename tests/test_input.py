@@ -297,6 +297,11 @@ def test_diff_on_an_event_the_state_does_not_allow_is_exit_2(tmp_path, capsys):
     (["fuzz", "--db", ""], "--db ''"),
     (["fuzz", "--out", ""], "--out ''"),
     (["prove", "--policy", ""], "unknown policy ''"),
+    # a model drafter beside a hybrid's groups: Mamba mixes only, which need these
+    (["fuzz", "--kind", "hybrid", "--drafter", "eagle"], "--no-external"),
+    (["fuzz", "--kind", "hybrid", "--drafter", "eagle", "--no-external", "--prefix-caching",
+      "off"], "--prefix-caching on"),
+    (["fuzz", "--kind", "ring", "--drafter", "eagle"], "driven beside Mamba only"),
 ])
 def test_a_bad_flag_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)

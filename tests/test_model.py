@@ -49,6 +49,28 @@ def test_trace_round_trip(tmp_path):
     assert Trace.from_json(d).events == v.events
 
 
+def test_a_draft_group_round_trips_and_needs_a_model_drafter(tmp_path):
+    """``draft: true`` names the group of an EAGLE / MTP drafter's layer (vLLM
+    plans it apart beside Mamba); its KV is the draft's (Config.draft_group)."""
+    gs = (Group("full"), Group("full", draft=True), Group("mamba"))
+    cfg = Config(groups=gs, spec_tokens=2, drafter="eagle", prefix_caching=True)
+    p = Trace(cfg, [AddRequest("r0", 9, 2)]).save(tmp_path / "t.json")
+    assert json.loads(p.read_text())["config"]["groups"][1] == {"kind": "full", "draft": True}
+    assert Trace.load(p).config == cfg and cfg.draft_group == 1
+    assert Config(groups=(Group("full"),), spec_tokens=2, drafter="eagle").draft_group == 0
+    assert Config(groups=(Group("full"),), spec_tokens=2).draft_group is None
+    for bad in (Config(groups=gs, spec_tokens=2),  # no model drafter
+                Config(groups=(Group("mamba"), Group("sliding", 4, draft=True)),
+                       spec_tokens=2, drafter="eagle"),
+                Config(groups=(Group("full", draft=True),), spec_tokens=2, drafter="eagle")):
+        with pytest.raises(TraceError, match="draft group"):
+            bad.validate()
+    d = cfg.to_json()
+    d["groups"][1]["draft"] = 1
+    with pytest.raises(TraceError, match="draft must be true or false"):
+        Config.from_json(d)
+
+
 def test_save_never_overwrites(tmp_path):
     t = _trace()
     a = t.save(tmp_path / "t.json")

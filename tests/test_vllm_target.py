@@ -524,6 +524,51 @@ def test_an_eagle_prefix_hit_drops_its_last_block_unless_hashes_look_ahead(versi
     assert r1 and r1[0].start == hit
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "mtp"])
+@pytest.mark.parametrize("groups", [
+    (Group("mamba"), Group("full", draft=True)),
+    (Group("full"), Group("full", draft=True), Group("sliding", 8), Group("mamba")),
+])
+def test_mamba_with_a_model_drafter_plans_the_draft_layer_as_a_group_of_its_own(drafter, groups):
+    """Beside Mamba, vLLM's planner puts EAGLE's (MTP's) draft layer in a
+    group of its own (an EAGLE group), after the first attention group; the
+    config states it (draft: true), and its KV is the one keyed one token
+    ahead. A decode with two drafts, rejected: the rejection rolls the Mamba
+    request back below the block edge its step wrote, and nothing is wrong."""
+    from properties.invariants import Checker
+
+    cfg = Config(groups=groups, block_size=8, num_blocks=64, max_model_len=64,
+                 prefix_caching=True, spec_tokens=2, depth=1, max_num_batched_tokens=32,
+                 drafter=drafter)
+    assert cfg.draft_group == 1
+    t = target(FIXED)
+    checker = Checker(cfg)
+    checker.feed(None, t.reset(cfg))
+    evs = [AddRequest("r0", 15, 6), Schedule(), Process(), Schedule(), Process(), Schedule(),
+           Process(accepted={"r0": 0}), Schedule(), Process(), AddRequest("r1", 15, 6),
+           Schedule()]
+    obs = []
+    for ev in evs:
+        obs.append(t.apply(ev))
+        checker.feed(ev, obs[-1])
+    (decode,) = step_of(obs[5]).reqs
+    assert (decode.start, decode.end, decode.spec) == (15, 18, 2)
+    assert len(decode.tables[1]) == 3  # the draft group: a block per 8 positions
+    assert len(decode.tables[-1]) == 17 // 8 + 1 + 2  # Mamba: the running slot, one per draft
+    hit = {r.rid: r for r in step_of(obs[-1]).reqs}["r1"]
+    assert hit.start > 0  # r1 hits r0's blocks, the draft group's among them
+    assert checker.violations == []
+    assert checker.witness["checkpoint_near_rejection"] == 1
+
+
+def test_a_draft_group_vllm_plans_elsewhere_is_refused():
+    cfg = Config(groups=(Group("full"), Group("mamba"), Group("full", draft=True)),
+                 block_size=8, num_blocks=64, max_model_len=64, prefix_caching=True,
+                 spec_tokens=2, drafter="eagle", max_num_batched_tokens=32)
+    with pytest.raises(Unsupported, match="as groups"):
+        target(FIXED).reset(cfg)
+
+
 def test_the_reference_refuses_an_eagle_drafter():
     ref = make_target("reference")
     with pytest.raises(Unsupported, match="drafter eagle"):

@@ -299,6 +299,13 @@ class Driver:
         if spec_cls is None:
             raise ConfigUnsupported(f"vllm {self.version} has no {kind.name} layers "
                                     f"({kind.vllm_spec})")
+        if g.draft:
+            # the drafter's attention layer, in a group of its own (vLLM marks the
+            # group holding an is_draft layer an EAGLE group)
+            if "is_draft" not in {f.name for f in dataclasses.fields(spec_cls)}:
+                raise ConfigUnsupported(f"vllm {self.version}'s layer specs have no is_draft: "
+                                        "it plans no draft layer apart")
+            return spec_cls(**common, is_draft=True)
         if not kind.holds_state:
             return spec_cls(**{**common, **kind.vllm_spec_extra},
                             **({kind.vllm_param: g.param} if kind.vllm_param else {}))
@@ -311,11 +318,15 @@ class Driver:
                 "without prefix caching vLLM sizes a Mamba block to max_model_len "
                 "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
         if cfg.spec_tokens >= B:
-            # then a decode moves the running state more than one block, and
-            # the state a rejection leaves may sit in a relocated slot
+            # then a decode moves the running state two blocks, and
+            # _relocate_speculative_block moves a slot that the next step, shifted
+            # down by a rejection, still writes through the worker's append-only
+            # block table; the checker reads the scheduler's table (NULL there)
             raise ConfigUnsupported(
                 f"{cfg.spec_tokens} drafts with {B}-token Mamba blocks: the checker models "
-                f"Mamba's speculative state slots for fewer drafts than the block size")
+                f"Mamba's speculative state slots for fewer drafts than the block size (a "
+                f"decode moving the state two blocks relocates a slot the worker's table "
+                f"keeps)")
         # a hybrid model's config pads the Mamba page to the attention
         # page (HybridAttentionMambaModelConfig), so both share one pool
         pad = (kvi.FullAttentionSpec(**common).page_size_bytes
@@ -353,10 +364,11 @@ class Driver:
                 f"vllm {self.version}'s chunked-local manager asserts, at every prefix-cache "
                 "lookup, that its block size is the scheduler's: groups of different block "
                 "sizes with chunked-local attention and prefix caching cannot run")
-        specs = {f"layer{i}": self._group_spec(g, cfg, i)
+        specs = {(DRAFT_LAYER if g.draft else f"layer{i}"): self._group_spec(g, cfg, i)
                  for i, g in enumerate(cfg.groups)}
         want = [(name,) for name in specs]
-        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
+        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp") and \
+                not any(g.draft for g in cfg.groups):
             # EAGLE's (MTP's) draft layer, of the first group's spec: vLLM's planner
             # groups it with layer0 and (0.33) marks that group an EAGLE group
             first = specs["layer0"]
