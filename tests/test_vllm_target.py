@@ -554,11 +554,29 @@ def test_mamba_with_a_model_drafter_plans_the_draft_layer_as_a_group_of_its_own(
     (decode,) = step_of(obs[5]).reqs
     assert (decode.start, decode.end, decode.spec) == (15, 18, 2)
     assert len(decode.tables[1]) == 3  # the draft group: a block per 8 positions
-    assert len(decode.tables[-1]) == 17 // 8 + 1 + 2  # Mamba: the running slot, one per draft
+    mamba = next(i for i, g in enumerate(groups) if g.kind == "mamba")
+    assert len(decode.tables[mamba]) == 17 // 8 + 1 + 2  # the running slot, one per draft
     hit = {r.rid: r for r in step_of(obs[-1]).reqs}["r1"]
     assert hit.start > 0  # r1 hits r0's blocks, the draft group's among them
     assert checker.violations == []
     assert checker.witness["checkpoint_near_rejection"] == 1
+
+
+def test_the_content_rule_reads_the_draft_groups_keys_beside_mamba():
+    """Finding 6 (EAGLE's hit drop with a connector) reached beside Mamba, where
+    the draft layer has a group of its own: the stale read is judged in that
+    group, by its KV keyed one token ahead."""
+    from pathlib import Path
+
+    from properties.replay import replay
+
+    path = Path(__file__).parent.parent / "traces/vllm/eagle-hit-drop-beside-mamba-0.33.0.json"
+    trace = Trace.load(path)
+    assert [g.draft for g in trace.config.groups] == [False, True]
+    v = replay(trace, "vllm@" + FIXED).first
+    assert v is not None and v.prop == 2
+    assert "(full(draft))" in v.message and "its EAGLE draft KV" in v.message
+    assert v.message == trace.meta["violation"].split(": ", 1)[1]
 
 
 def test_a_draft_group_vllm_plans_elsewhere_is_refused():

@@ -75,6 +75,9 @@ def _check(trace: Trace) -> None:
     if cfg.spec_tokens and cfg.drafter not in ("ngram", "eagle"):
         raise ExportError(f"drafter {cfg.drafter} is not built by the exported test "
                           f"(ngram and eagle are)")
+    if any(g.draft for g in cfg.groups):
+        raise ExportError("a drafter's own group (draft: true) is not built by the exported "
+                          "test (its EAGLE layer shares the first group)")
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
