@@ -132,14 +132,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ("--kind", "hybrid", *_PC, "--spec-tokens", "2", "--no-external", *_ASYNC),
         frozenset({2, 3})),
     Mutant(
-        "hybrid-mamba-skips-first-relocation", CORE + "single_type_kv_cache_manager.py",
-        "prev_block_len - self.num_speculative_blocks, prev_block_len\n",
-        "prev_block_len - self.num_speculative_blocks + 1, prev_block_len\n",
-        "Mamba's align mode leaves the first speculative block of the last step below the new "
-        "running state instead of relocating it, in a hybrid with drafts",
-        ("--kind", "hybrid", *_PC, "--spec-tokens", "2", "--no-external", *_ASYNC),
-        frozenset({2, 3, 5})),
-    Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",
         "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens",
