@@ -739,9 +739,9 @@ def _rate_runs(spec: str, how: str, n: int, workers: int, policy: str,
         res = run_fuzz(fs, n * workers, workers=workers, seed=0)
     cpu = cpu_now(procs) - c0
     note = ""
-    if res.crash:
+    if res.verdict == "crashed":
         note = "stopped by a target crash: " + one_line(res.crash.splitlines()[0])
-    elif res.violation is not None:
+    elif res.verdict == "violation":
         note = f"stopped by a violation (property {res.violation.prop})"
     ex = res.stats.examples
     return ex / max(res.seconds, 1e-9), ex / max(cpu, 1e-9), ex, note
@@ -844,9 +844,9 @@ def detect_once(subject: Subject, target: Any, seed: int, examples: int) -> dict
         "total_seconds": res.seconds, "total_examples": res.stats.examples,
         "shrunk_events": None, "final_prop": None, "crash": None,
     }
-    if res.crash:
-        out["crash"] = one_line(res.crash.splitlines()[0] if res.crash else "")
-    elif res.violation is not None and res.trace is not None:
+    if res.verdict == "crashed":
+        out["crash"] = one_line(res.crash.splitlines()[0])
+    elif res.verdict == "violation" and res.trace is not None:
         out["shrunk_events"] = len(res.trace.events)
         out["final_prop"] = res.violation.prop
     return out

@@ -40,21 +40,24 @@ def _fuzz_rows(a) -> list[Row]:
         spec = FuzzSpec(target=a.target, kind=kind, policy="settled")
         res = fuzz(spec, examples=a.examples, seed=a.seed)
         ev = sum(res.stats.events.values())
-        if res.crash:
+        verdict = res.verdict  # the one verdict of a fuzz run (FuzzResult.verdict)
+        if verdict == "crashed":
             rows.append(Row("fuzz", kind, "target failed", False, res.crash.splitlines()[0],
                             res.seconds))
-        elif res.violation:
+        elif verdict == "violation":
             path = res.trace.save(Path(a.out) / f"check-{kind}.json")
             rows.append(Row("fuzz", kind, f"VIOLATION p{res.violation.prop}", False,
                             f"{res.violation.message[:90]}... ({path})", res.seconds))
-        elif res.vacuous:
+        elif verdict == "vacuous":
             rows.append(Row("fuzz", kind, "VACUOUS", False,
                             "never reached: " + ", ".join(res.vacuous), res.seconds))
-        else:
+        elif verdict == "holds":
             w = sum(1 for k in res.stats.expected if res.stats.witness.get(k))
             rows.append(Row("fuzz", kind, "holds", True,
                             f"{res.stats.examples} examples, {ev} events, "
                             f"{w}/{len(res.stats.expected)} witnesses", res.seconds))
+        else:
+            rows.append(Row("fuzz", kind, verdict.upper(), False, "", res.seconds))
     return rows
 
 
@@ -65,7 +68,7 @@ def _power_rows(a) -> list[Row]:
     for kind, prop in (("sliding", 1), ("chunked_local", 1)):
         spec = FuzzSpec(target="reference", kind=kind, policy="optimistic", depth=2)
         res = fuzz(spec, examples=200, seed=a.seed)
-        found = res.violation is not None and res.violation.prop == prop
+        found = res.verdict == "violation" and res.violation.prop == prop
         n = len(res.trace.events) if res.trace else 0
         rows.append(Row("power", f"optimistic {kind} d2", "found" if found else "MISSED", found,
                         f"property {res.violation.prop if res.violation else '-'} in {n} events",

@@ -242,12 +242,13 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
         if res.trace is not None:
             out["trace"] = str(res.trace.save(cdir / f"{row['id']}-known.json"))
         return
-    if res.crash is not None:
+    verdict = res.verdict  # the one verdict of a fuzz run (FuzzResult.verdict)
+    if verdict == "crashed":
         out.update(verdict="TARGET FAILED", detail=res.crash.strip()[:3000], exit=3)
         if res.trace is not None:
             out["trace"] = str(res.trace.save(cdir / f"{row['id']}-crash.json"))
         return
-    if res.violation is not None:
+    if verdict == "violation":
         v = res.violation
         path = res.trace.save(cdir / f"{row['id']}.json")
         out["trace"] = str(path)
@@ -259,12 +260,9 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
                    detail=f"{v}\nafter shrinking to {len(res.trace.events)} events; "
                           f"trace {path}\n\n{format_timeline(rr)}")
         return
-    vac = res.vacuous
-    if not st.examples:
-        vac = ["any example"]
-    if vac:
-        out.update(verdict="VACUOUS", vacuous=vac, exit=1,
-                   detail=f"{st.examples} examples never reached: {', '.join(vac)}")
+    if verdict == "vacuous":
+        out.update(verdict="VACUOUS", vacuous=res.vacuous, exit=1,
+                   detail=f"{st.examples} examples never reached: {', '.join(res.vacuous)}")
         return
     out.update(ok=True, verdict="holds",
                detail=f"{st.examples} examples, {sum(st.events.values())} events")

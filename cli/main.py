@@ -260,18 +260,19 @@ def cmd_fuzz(a) -> int:
         if progress is not None:
             progress.close()
     print(_summary(res))
+    verdict = res.verdict  # the one verdict of a fuzz run (FuzzResult.verdict)
     if res.attention is not None:
         checked, missed = res.attention
         print(f"attention: {checked} examples replayed numerically, "
               f"{len(missed)} where attention saw a bad read the checker did not")
-        if missed and res.violation is None and not res.crash:
-            trace, first_bad = missed[0]
-            path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
-            print(first_bad)
-            print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
-            _write_json(a.json, res.to_json(trace_path=str(path)))
-            return EXIT_VIOLATION
-    if res.crash:
+    if verdict == "missed":
+        trace, first_bad = res.attention[1][0]
+        path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
+        print(first_bad)
+        print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
+        _write_json(a.json, res.to_json(trace_path=str(path)))
+        return EXIT_VIOLATION
+    if verdict == "crashed":
         path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
         print("verdict: TARGET FAILED")
         print(res.crash)
@@ -280,7 +281,7 @@ def cmd_fuzz(a) -> int:
                   f"event the target failed on)")
         _write_json(a.json, res.to_json(trace_path=str(path) if path else None))
         return EXIT_TARGET
-    if res.violation is not None:
+    if verdict == "violation":
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
         rr = replay_beside(res.trace, a.target)  # the shrunk trace, as it is saved
         v = rr.first or res.violation
@@ -293,10 +294,9 @@ def cmd_fuzz(a) -> int:
         _print_report_paths(rep)
         _write_json(a.json, res.to_json(violation=v, trace_path=str(rep.trace)))
         return EXIT_VIOLATION
-    vac = res.vacuous
     _write_json(a.json, res.to_json())
-    if vac:
-        print(f"verdict: VACUOUS (never reached: {', '.join(vac)})")
+    if verdict == "vacuous":
+        print(f"verdict: VACUOUS (never reached: {', '.join(res.vacuous)})")
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK

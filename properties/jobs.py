@@ -196,9 +196,11 @@ def merge(spec: FuzzSpec, results: list[FuzzResult]) -> FuzzResult:
     if crashed:
         pick = crashed[0]
         out.crash, out.trace = pick.crash, pick.trace
+        out.shrunk_events = pick.shrunk_events
     elif failed:
         pick = min(failed, key=lambda r: len(r.trace.events) if r.trace else 1 << 30)
         out.violation, out.trace = pick.violation, pick.trace
+        out.shrunk_events = pick.shrunk_events
     att = [r.attention for r in results if r.attention is not None]
     if att:
         out.attention = (sum(c for c, _ in att), [m for _, ms in att for m in ms])

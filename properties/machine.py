@@ -518,9 +518,17 @@ class FuzzResult:
     workers: int = 1
     examples_to_fail: int | None = None  # examples run up to the first failing one
     replayed_from_database: int = 0  # saved examples fetched to replay first
+    # the counterexample's length as Hypothesis shrank it, before
+    # properties/minimize.py (what a run without that pass would report)
+    shrunk_events: int | None = None
 
     @property
     def vacuous(self) -> list[str]:
+        """The expected witnesses the run never reached (every one, as "any
+        example", when no example ran: a run whose configs were all refused,
+        or stopped before its first)."""
+        if not self.stats.examples:
+            return ["any example"]
         return sorted(w for w in self.stats.expected if not self.stats.witness.get(w))
 
     @property
@@ -561,6 +569,7 @@ class FuzzResult:
             "property": v.prop if verdict == "violation" else None,
             "property_name": v.name if verdict == "violation" else None,
             "events": len(self.trace.events) if self.trace is not None else None,
+            "shrunk_events": self.shrunk_events,
             "message": message,
             "crash": self.crash,
             "target": self.spec.target, "kind": self.spec.kind, "policy": self.spec.policy,
@@ -625,6 +634,7 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         if len(spec.props) < 7:
             meta["props"] = sorted(spec.props)
         result.trace = Trace(config, list(events), meta=meta)
+        result.shrunk_events = len(events)
         if result.violation is not None and minimize_trace:
             from properties.minimize import minimize
 

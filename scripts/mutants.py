@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -541,6 +542,7 @@ class Row:
     prop: int | None = None
     prop_name: str = ""
     events: int | None = None
+    shrunk_events: int | None = None  # before properties/minimize.py: Hypothesis's shrink alone
     seconds: float = 0.0
     message: str = ""
     trace: str = ""
@@ -618,22 +620,25 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800,
                        env=dict(os.environ, KVCHECK_NO_VENV="1"))
     row.seconds = round(time.monotonic() - t0, 1)
-    lines = (p.stdout + p.stderr).splitlines()
     res = json.loads(result.read_text()) if result.is_file() else {}
-    verdict = res.get("verdict")
-    if p.returncode == 0 and verdict == "holds":
+    verdict = res.get("verdict")  # FuzzResult.verdict; no file: the CLI stopped before a run
+    if p.returncode != _EXIT.get(verdict):
+        verdict = None  # the exit status and the verdict disagree: an error of the run
+    if verdict == "holds":
         row.outcome, row.message = "survived", res["message"]
-    elif p.returncode == 1 and verdict == "violation":
+    elif verdict == "violation":
         row.outcome = "killed"
         row.prop, row.prop_name, row.events = res["property"], res["property_name"], res["events"]
+        row.shrunk_events = res["shrunk_events"]
         row.message = res["message"]
-    elif p.returncode == 1 and verdict == "vacuous":
+    elif verdict == "vacuous":
         row.outcome = "vacuous"
         row.message = f"verdict: VACUOUS ({res['message']})"
-    elif p.returncode == 3:
+    elif verdict == "crashed":
         row.outcome = "crashed"
-        row.message = _crash_line(lines)
+        row.message = _crash_line(res["crash"].splitlines())
     else:
+        lines = (p.stdout + p.stderr).splitlines()
         row.outcome, row.message = "error", " ".join(" ".join(lines).split())[-300:]
     saved = sorted(dest.glob("*.json")) if dest.is_dir() else []
     if saved:  # one trace per row, named after the mutant
@@ -642,8 +647,11 @@ def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
     return row
 
 
+_EXIT = {"holds": 0, "violation": 1, "vacuous": 1, "missed": 1, "crashed": 3}
+
+
 def _crash_line(lines: list[str]) -> str:
-    """The exception and where vLLM raised it, from the trace the CLI printed."""
+    """The exception and where vLLM raised it, from the run's crash text (its traceback)."""
     frames = [i for i, ln in enumerate(lines) if ln.lstrip().startswith('File "')]
     error = next((ln.strip() for ln in reversed(lines)
                   if re.match(r"\s*\w+(Error|Exception)\b", ln)), "the target crashed")
@@ -657,6 +665,21 @@ def _crash_line(lines: list[str]) -> str:
     return f"{error} at {Path(where.group(1)).name}:{where.group(2)}: {code}"
 
 
+def lengths(rows: list[Row]) -> str:
+    """Median and mean counterexample length over the killed rows, with
+    properties/minimize.py after Hypothesis's shrinking and without it."""
+    killed = [r for r in rows if r.outcome == "killed" and r.events is not None
+              and r.shrunk_events is not None]
+    if not killed:
+        return "No row was killed: no counterexample lengths."
+    mine = [r.events for r in killed]
+    hyp = [r.shrunk_events for r in killed]
+    return (f"Counterexample length over the {len(killed)} killed rows: with "
+            f"properties/minimize.py median {statistics.median(mine)} events (mean "
+            f"{statistics.mean(mine):.2f}); Hypothesis's shrinking alone median "
+            f"{statistics.median(hyp)} (mean {statistics.mean(hyp):.2f}).")
+
+
 def render(rows: list[Row], examples: int, seed: int) -> str:
     good = sum(r.ok for r in rows)
     lines = [
@@ -668,14 +691,17 @@ def render(rows: list[Row], examples: int, seed: int) -> str:
         f"`ref-` rows edit impl/reference. The `control` rows are the unmodified trees. "
         f"Rebuild a tree to replay a trace: `scripts/mutants.py --tree NAME DIR`.",
         "",
-        "| mutant | the slip | fuzzed with | wanted | outcome | property | events | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mutant | the slip | fuzzed with | wanted | outcome | property | events "
+        "| events, Hypothesis's shrink alone | s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         prop = f"{r.prop} ({r.prop_name})" if r.prop else "-"
         lines.append(f"| {r.name} | {r.why} | `{' '.join(r.args)}` | {r.wanted} | "
                      f"{r.outcome}{'' if r.ok else ' **UNEXPECTED**'} | {prop} | "
-                     f"{r.events if r.events is not None else '-'} | {r.seconds} |")
+                     f"{r.events if r.events is not None else '-'} | "
+                     f"{r.shrunk_events if r.shrunk_events is not None else '-'} | {r.seconds} |")
+    lines += ["", lengths(rows)]
     lines += ["", "## What the checker said", ""]
     lines += [f"- **{r.name}**: {r.message}" for r in rows if r.message]
     return "\n".join(lines) + "\n"
