@@ -36,13 +36,12 @@ import json
 import os
 import platform
 import pstats
-import random
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from model.events import AddRequest, Config, Event, Process, Schedule, Trace, config_for  # noqa: E402
-from model.observations import FinishObs, ProcessObs, StepObs  # noqa: E402
+from model.events import AddRequest, Config, Event, Schedule, Trace, config_for  # noqa: E402
+from model.observations import FinishObs  # noqa: E402
+from model.streams import Driver  # noqa: E402
 
 SCHEMA = 1
 SECTIONS = ("step_cost", "fuzz_rate", "time_to_detect", "proof", "attention", "growth",
@@ -338,69 +338,24 @@ class Stream:
     describe: str = ""
 
 
-class _Driver:
-    """Drives a target the way the engine does: keeps ``depth`` steps in
-    flight, processes the oldest when full. Seeded, so a stream is one fixed
-    list of events."""
-
-    def __init__(self, target: Any, cfg: Config, seed: int):
-        self.t = target
-        self.cfg = cfg
-        self.rng = random.Random(seed)
-        self.events: list[Event] = []
-        self.pending: deque[list[tuple[str, int]]] = deque()
-        self.status: dict[str, str] = {}
-        self.computed: dict[str, int] = {}
-        self.steps = 0
-        target.reset(cfg)
-
-    def apply(self, ev: Event) -> None:
-        obs = self.t.apply(ev)
-        self.events.append(ev)
-        for it in obs.items:
-            if isinstance(it, StepObs):
-                self.pending.append([(r.rid, r.spec) for r in it.reqs])
-                self.steps += 1
-        if obs.counters is not None:
-            for rid, rc in obs.counters.reqs.items():
-                self.status[rid] = rc.status
-                self.computed[rid] = rc.computed
-
-    def tick(self) -> None:
-        """One Schedule (while fewer than ``depth`` steps are in flight) or
-        one Process of the oldest step."""
-        if len(self.pending) < self.cfg.depth:
-            before = self.steps
-            self.apply(Schedule())
-            if self.steps > before:
-                return
-            if not self.pending:
-                raise RuntimeError("nothing scheduled and nothing in flight: the stream is stuck")
-        row = self.pending.popleft()
-        self.apply(Process({rid: self.rng.randint(0, k) for rid, k in row if k}))
-
-    def live(self) -> int:
-        return sum(1 for s in self.status.values() if s != "finished")
-
-
 def continuous_stream(target: Any, w: Workload, steps: int, seed: int = 0) -> Stream:
     """Requests arrive as others finish, so ``w.concurrency`` are always in
-    the system: prefill and decode mixed, as an engine under steady load."""
+    the system: prefill and decode mixed, as an engine under steady load
+    (the engine's loop, :meth:`model.streams.Driver.tick`)."""
     cfg = workload_config(w, policy_of(target))
-    d = _Driver(target, cfg, seed)
+    d = Driver(cfg, [target], seed)
     n = 0
     guard = 0
-    while d.steps < steps:
-        while d.live() < w.concurrency:
-            rid = f"r{n}"
+    while d.state.scheduled < steps:
+        while len(d.state.live()) < w.concurrency:
+            d.apply(AddRequest(f"r{n}", w.prompt_len, w.max_new, 0))
             n += 1
-            d.apply(AddRequest(rid, w.prompt_len, w.max_new, 0))
-            d.status.setdefault(rid, "waiting")
-        d.tick()
+        if not d.tick():
+            raise RuntimeError("nothing scheduled and nothing in flight: the stream is stuck")
         guard += 1
         if guard > 20 * steps + 1000:
             raise RuntimeError("the stream makes no progress")
-    return Stream(cfg, d.events, 0, d.steps, w.describe())
+    return Stream(cfg, d.events, 0, d.state.scheduled, w.describe())
 
 
 def decode_stream(target: Any, w: Workload, steps: int, seed: int = 0) -> Stream:
@@ -410,26 +365,24 @@ def decode_stream(target: Any, w: Workload, steps: int, seed: int = 0) -> Stream
     prefill_steps = cdiv(w.concurrency * w.prompt_len, w.budget) + w.concurrency
     max_new = steps + prefill_steps + 4 * w.depth + 8
     cfg = workload_config(w, policy_of(target), max_new=max_new)
-    d = _Driver(target, cfg, seed)
+    d = Driver(cfg, [target], seed)
     rids = [f"r{i}" for i in range(w.concurrency)]
     for rid in rids:
         d.apply(AddRequest(rid, w.prompt_len, max_new, 0))
     guard = 0
-    while any(d.computed.get(r, 0) < w.prompt_len for r in rids):
-        d.tick()
+    while any(d.state.computed.get(r, 0) < w.prompt_len for r in rids):
+        if not d.tick():
+            raise RuntimeError("nothing scheduled and nothing in flight: the stream is stuck")
         guard += 1
         if guard > 50 * prefill_steps + 1000:
             raise RuntimeError("prefill makes no progress")
-    # drain, so the timed part starts from a settled state
-    while d.pending:
-        row = d.pending.popleft()
-        d.apply(Process({rid: d.rng.randint(0, k) for rid, k in row if k}))
-    start, first = len(d.events), d.steps
-    while d.steps - first < steps:
+    d.settle(draw=True)  # so the timed part starts from a settled state
+    start, first = len(d.events), d.state.scheduled
+    while d.state.scheduled - first < steps:
         d.tick()
-    if any(s == "finished" for s in d.status.values()):
+    if any(s == "finished" for s in d.state.status.values()):
         raise RuntimeError("a request finished inside the timed part")
-    return Stream(cfg, d.events, start, d.steps - first,
+    return Stream(cfg, d.events, start, d.state.scheduled - first,
                   f"{w.concurrency} requests of {w.prompt_len} prompt tokens, decoding")
 
 
@@ -1315,7 +1268,15 @@ def run_length(target: Any, w: Workload, points: tuple[int, ...], window: int, c
 
     cfg = workload_config(w, policy_of(target))
     checker = Checker(cfg)
-    checker.feed(None, target.reset(cfg))
+    finished = 0
+
+    def check(ev: Event, obs: list[Any]) -> None:
+        nonlocal finished
+        checker.feed(ev, obs[0])
+        finished += sum(1 for it in obs[0].items if isinstance(it, FinishObs))
+
+    d = Driver(cfg, [target], keep=False, on_apply=check)
+    checker.feed(None, d.obs[0][0])
     procs = children()
     size = max(1, window // chunks)
     # step count -> which point's window it closes a chunk of
@@ -1328,40 +1289,17 @@ def run_length(target: Any, w: Workload, points: tuple[int, ...], window: int, c
     cpus: dict[int, list[float]] = {p: [] for p in points}
     held: dict[int, dict[str, int]] = {}
     at: dict[int, tuple[float, float]] = {}
-    steps = in_flight = added = live = finished = 0
-
-    def step(ev: Event) -> bool:
-        """Apply and check ``ev``; whether it scheduled a step."""
-        nonlocal steps, in_flight, live, finished
-        obs = target.apply(ev)
-        checker.feed(ev, obs)
-        scheduled = False
-        for it in obs.items:
-            if isinstance(it, StepObs):
-                steps += 1
-                in_flight += 1
-                scheduled = True
-            elif isinstance(it, ProcessObs):
-                in_flight -= 1
-            elif isinstance(it, FinishObs):
-                finished += 1
-                live -= 1
-        return scheduled
-
-    while steps < last:
+    added = 0
+    while d.state.scheduled < last:
+        steps = d.state.scheduled
         if clock is not None and steps in marks and marks[steps][1] == 0 and clock.left() < 0:
             break
-        while live < w.concurrency:
-            step(AddRequest(f"r{added}", w.prompt_len, w.max_new, 0))
+        while added - finished < w.concurrency:
+            d.apply(AddRequest(f"r{added}", w.prompt_len, w.max_new, 0))
             added += 1
-            live += 1
-        if in_flight < cfg.depth:
-            if not step(Schedule()):
-                if not in_flight:
-                    raise RuntimeError("nothing scheduled and nothing in flight: stuck")
-                step(Process())
-        else:
-            step(Process())
+        if not d.tick(draw=False):
+            raise RuntimeError("nothing scheduled and nothing in flight: stuck")
+        steps = d.state.scheduled
         mk = marks.get(steps)
         if mk is not None and steps not in at:
             p, c = mk

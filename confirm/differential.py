@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from impl.target import Target, make_target
 from model.events import Config, Trace, config_for
 from model.observations import NULL, FreeObs, Observed, StepObs
+from model.streams import Driver
 
 
 @dataclass
@@ -120,46 +121,9 @@ def random_config(kind: str, rng, policy: str = "settled") -> Config:
     return replace(cfg, num_blocks=max(cfg.num_blocks, startup_blocks(cfg)))
 
 
-def random_trace(cfg, rng, length: int, targets: list[Target]) -> Trace:
-    """A random valid trace for ``cfg`` that every one of ``targets`` accepts
-    (each event is checked with the targets' ``can_apply`` as it is built); shorter
-    than ``length`` if the targets stop agreeing on any event."""
-    from model.events import Abort, AddRequest, FailLoad, Finish, Preempt, Process, Schedule
-
-    for t in targets:
-        t.reset(cfg)
-    events, n = [], 0
-    B = cfg.block_size
-    draws = 0
-    while len(events) < length and draws < 50 * length:  # targets may drift to no common event
-        draws += 1
-        roll = rng.random()
-        if roll < 0.15 and n < 8:
-            prompt = rng.randint(1, 6 * B)
-            ext = rng.choice([0, 0, rng.randint(0, prompt - 1)])
-            ev = AddRequest(f"r{n}", prompt, rng.randint(1, 2 * B), ext)
-        elif roll < 0.55:
-            ev = Schedule()
-        elif roll < 0.85:
-            ev = Process({f"r{i}": rng.randint(0, cfg.spec_tokens) for i in range(n)
-                          if rng.random() < 0.5})
-        elif roll < 0.9 and n:
-            ev = Preempt(f"r{rng.randrange(n)}")
-        elif roll < 0.95 and n:
-            ev = FailLoad(f"r{rng.randrange(n)}", rng.randint(0, 5))
-        elif n:
-            ev = (Finish if rng.random() < 0.5 else Abort)(f"r{rng.randrange(n)}")
-        else:
-            continue
-        ok = all(t.can_apply(ev) for t in targets)
-        if not ok and isinstance(ev, Process) and ev.accepted:
-            # only requests in the oldest step with drafts may be named
-            ev = Process({})
-            ok = all(t.can_apply(ev) for t in targets)
-        if ok:
-            for t in targets:
-                t.apply(ev)
-            events.append(ev)
-            if isinstance(ev, AddRequest):
-                n += 1
-    return Trace(cfg, events)
+def random_trace(cfg: Config, rng, length: int, targets: list[Target]) -> Trace:
+    """A random trace of ``length`` events for ``cfg`` that every one of
+    ``targets`` accepts, drawn by the one random driver
+    (:class:`model.streams.Driver`: each event valid for the engine and for
+    each target as it is applied); shorter if no event is valid any more."""
+    return Driver(cfg, targets, rng).run(length)

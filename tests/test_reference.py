@@ -1,7 +1,7 @@
 """Tests of the reference manager (impl/reference).
 
-Besides the named scenarios, a small random driver feeds valid events (by
-``can_apply``) and a tiny observation-only checker verifies what the reference
+Besides the named scenarios, the random driver (model/streams.py) feeds valid
+events and a tiny observation-only checker verifies what the reference
 must guarantee under the settled policy: no window free inside the window of
 the settled count, no step (shifted by rejections) reading a NULL slot, no
 request-level free read by an unprocessed step under hazard=unordered, pool
@@ -34,6 +34,7 @@ from model.events import (
     config_for,
 )
 from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
+from model.streams import Driver
 from model.windows import read_blocks, skipped
 
 KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
@@ -155,73 +156,15 @@ def random_config(rng: random.Random, **over) -> Config:
     return config_for(kind, window=rng.choice([B, B + 1, 3 * B - 2]), chunk=2 * B, **kw)
 
 
-class Driver:
-    """Feeds random valid events to a target and mirrors what it observed."""
-
-    def __init__(self, rng: random.Random, cfg: Config):
-        self.rng, self.cfg = rng, cfg
-        self.t = ReferenceTarget()
-        self.obs = [self.t.reset(cfg)]
-        self.events: list = []
-        self.steps: dict[int, dict] = {}  # unprocessed step -> {rid: ReqStep}
-        self.n = 0
-
-    def candidates(self):
-        rng, B = self.rng, self.cfg.block_size
-        reqs = self.obs[-1].counters.reqs
-        live = [r for r, c in reqs.items() if c.status != "finished"]
-        p = rng.randint(1, 70)
-        evs = [AddRequest(f"r{self.n}", p, rng.randint(1, 40),
-                          rng.choice([0, 0, rng.randint(0, p - 1)]))]
-        evs += [Schedule()] * 4
-        if self.steps:
-            oldest = self.steps[min(self.steps)]
-            acc = {rid: rng.randint(0, r.spec) for rid, r in oldest.items()
-                   if r.spec and rng.random() < 0.7}
-            evs += [Process(acc)] * 4
-            for st in self.steps.values():
-                for r in st.values():
-                    if r.loaded:
-                        lo = r.start - r.loaded
-                        evs.append(FailLoad(r.rid, rng.randint(-(-lo // B), (r.start - 1) // B)))
-        if live:
-            rid = rng.choice(live)
-            evs += [Preempt(rid), rng.choice([Finish(rid), Abort(rid)])]
-        return evs
-
-    def step(self):
-        ev = self.rng.choice(self.candidates())
-        if not self.t.can_apply(ev):
-            return None
-        return self.apply(ev)
-
-    def apply(self, ev):
-        if isinstance(ev, AddRequest):
-            self.n += 1
-        o = self.t.apply(ev)
-        self.events.append(ev)
-        self.obs.append(o)
-        for i in o.items:
-            if isinstance(i, StepObs):
-                self.steps[i.step] = {r.rid: r for r in i.reqs}
-            elif isinstance(i, ProcessObs):
-                del self.steps[i.step]
-        return o
-
-    def drain(self):
-        """End every request, process every step: the pool must be whole again."""
-        for rid, c in list(self.obs[-1].counters.reqs.items()):
-            if c.status != "finished":
-                self.apply(Abort(rid))
-        while self.steps:
-            self.apply(Process())
+def driver(cfg: Config, rng: random.Random | int = 0) -> Driver:
+    """The random driver (model/streams.py) on one reference target."""
+    return Driver(cfg, [ReferenceTarget()], rng, prompt=70, new=40)
 
 
 def random_run(seed: int, n_events: int = 120, **over) -> Driver:
     rng = random.Random(seed)
-    d = Driver(rng, random_config(rng, **over))
-    for _ in range(n_events):
-        d.step()
+    d = driver(random_config(rng, **over), rng)
+    d.run(n_events)
     return d
 
 
@@ -235,7 +178,7 @@ def test_depth1_every_policy_observes_the_same(chunk):
         for policy in ("settled", "mamba-local"):
             cfg = Config(**{**d.cfg.__dict__, "policy": policy})
             _, obs = run(cfg, d.events)
-            assert obs == d.obs, f"seed {seed}: {policy} differs from optimistic at depth 1"
+            assert obs == d.obs[0], f"seed {seed}: {policy} differs from optimistic at depth 1"
 
 
 # ----------------------------------------------------------- the checker
@@ -336,14 +279,14 @@ class Checker:
 def checked_run(seed: int, n_events: int, strict: bool, **over):
     rng = random.Random(seed)
     cfg = random_config(rng, **over)
-    d = Driver(rng, cfg)
+    d = driver(cfg, rng)
     ch = Checker(cfg)
-    ch.counters = d.obs[0].counters
+    ch.counters = d.obs[0][0].counters
     bad = []
     for _ in range(n_events):
-        o = d.step()
-        if o is not None:
-            bad += ch.check(o, strict)
+        if d.step() is None:
+            break
+        bad += ch.check(d.obs[0][-1], strict)
     return d, ch, bad
 
 
@@ -352,11 +295,11 @@ def test_settled_reference_keeps_the_invariants():
     every block is back once every request ended."""
     for seed in range(300):
         d, ch, _ = checked_run(seed, 150, strict=True, policy="settled")
-        n = len(d.obs)
-        d.drain()
-        for o in d.obs[n:]:
+        n = len(d.obs[0])
+        d.end_all()
+        for o in d.obs[0][n:]:
             ch.check(o, strict=True)
-        c = d.obs[-1].counters
+        c = d.obs[0][-1].counters
         assert c.free_blocks == c.total_blocks - 1, f"seed {seed}: leak"
         assert all(r.status == "finished" and not any(r.live) for r in c.reqs.values())
 
@@ -395,15 +338,16 @@ def test_optimistic_is_caught_by_the_same_checker():
 def test_pool_accounting_after_every_event_and_no_leak():
     for seed in range(200):
         d = random_run(seed, 100)
+        obs = d.obs[0]
         ch = Checker(d.cfg)
-        ch.counters = d.obs[0].counters
-        for o in d.obs[1:]:
+        ch.counters = obs[0].counters
+        for o in obs[1:]:
             ch.check(o, strict=False)
-        n = len(d.obs)
-        d.drain()
-        for o in d.obs[n:]:
+        n = len(obs)
+        d.end_all()
+        for o in obs[n:]:
             ch.check(o, strict=False)
-        c = d.obs[-1].counters
+        c = obs[-1].counters
         assert c.free_blocks == c.total_blocks - 1
         assert all(v == 0 for v in ch.refs.values())
 
@@ -413,23 +357,20 @@ def test_preemption_under_pool_pressure():
     recomputes, and both finish with every block back."""
     cfg = config_for("full", block_size=4, num_blocks=10, max_num_batched_tokens=64, depth=2,
                      policy="settled")
-    d = Driver(random.Random(0), cfg)
+    d = driver(cfg)
     d.apply(AddRequest("a", 12, 8))
     d.apply(AddRequest("b", 12, 8))
-    for _ in range(200):
-        if d.t.can_apply(Schedule()) and any(isinstance(i, StepObs)
-                                             for i in d.apply(Schedule()).items):
-            continue
-        if not d.steps:
+    for _ in range(200):  # the engine's loop, every draft accepted
+        if not d.tick(draw=False):
             break
-        d.apply(Process())
-    frees = items(d.obs, FreeObs)
+    obs = d.obs[0]
+    frees = items(obs, FreeObs)
     assert any(f.reason == "preempt" and f.rid == "b" for f in frees)
-    assert [f.reason for f in items(d.obs, FinishObs)] == ["length", "length"]
+    assert [f.reason for f in items(obs, FinishObs)] == ["length", "length"]
     # b was scheduled from 0 again after its preemption
-    starts = [r.start for s in items(d.obs, StepObs) for r in s.reqs if r.rid == "b"]
+    starts = [r.start for s in items(obs, StepObs) for r in s.reqs if r.rid == "b"]
     assert starts.count(0) >= 2
-    assert d.obs[-1].counters.free_blocks == cfg.num_blocks - 1
+    assert obs[-1].counters.free_blocks == cfg.num_blocks - 1
 
 
 def test_preempt_event_discards_in_flight_output_and_resumes():

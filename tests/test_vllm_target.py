@@ -272,21 +272,16 @@ def test_pool_pressure_preempts_the_last_request():
 
 
 def test_apply_many_equals_apply():
-    import random
+    from model.streams import Driver
 
     cfg = config_for("hybrid", window=8, block_size=4, depth=2, spec_tokens=2,
                      max_num_batched_tokens=32, num_blocks=40, max_model_len=32)
     t = target(FIXED)
+    d = Driver(cfg, [t], 7, max_requests=20)
+    d.run(60)
+    assert len(d.events) == 60
     t.reset(cfg)
-    rnd, evs, one = random.Random(7), [], []
-    for i in range(60):
-        cands = [AddRequest(f"r{i}", rnd.randint(1, 20), rnd.randint(1, 8)), Schedule(),
-                 Process(), *(c(f"r{j}") for j in range(i) for c in (Preempt, Finish, Abort))]
-        ev = rnd.choice([c for c in cands if t.can_apply(c)])
-        evs.append(ev)
-        one.append(t.apply(ev))
-    t.reset(cfg)
-    assert t.apply_many(evs) == one
+    assert t.apply_many(d.events) == d.obs[0][1:]
 
 
 def test_unsupported_versions_and_events():

@@ -165,24 +165,14 @@ import itertools
 import os
 import threading
 import weakref
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
 from impl.worker import WorkerDied, WorkerProcess, flight_from_env, in_worker
-from model.events import (
-    Abort,
-    AddRequest,
-    Config,
-    Event,
-    FailLoad,
-    Finish,
-    Preempt,
-    Process,
-    Schedule,
-)
-from model.observations import Observed, ProcessObs, StepObs
+from model.events import AddRequest, Config, Event, FailLoad
+from model.observations import Observed
+from model.streams import EngineState
 
 from . import compat
 
@@ -498,53 +488,25 @@ class VllmTarget:
         exc.observed = done  # type: ignore[attr-defined]
         raise exc
 
-    # -- preconditions, from a mirror of the observations
+    # -- preconditions: the engine's order (model/streams.py), and what vLLM cannot take
 
     def _reset_mirror(self) -> None:
-        self._pending: deque[StepObs] = deque()
-        self._status: dict[str, str] = {}
+        self._state: EngineState | None = None
 
     def _observe(self, obs: Observed) -> None:
-        for it in obs.items:
-            if type(it) is StepObs:
-                self._pending.append(it)
-            elif type(it) is ProcessObs:
-                self._pending.popleft()
-        if obs.counters is not None:
-            for rid, rc in obs.counters.reqs.items():
-                self._status[rid] = rc.status
+        if self._state is None:
+            self._state = EngineState(self._config)
+        self._state.observe(obs)
 
     def can_apply(self, event: Event) -> bool:
-        cfg = self._config
-        if cfg is None:
+        cfg, state = self._config, self._state
+        if cfg is None or state is None or state.why_not(event) is not None:
             return False
-        t = type(event)
-        if t is Schedule:
-            return len(self._pending) < cfg.depth
-        if t is Process:
-            if not self._pending:
-                return False
-            spec = {r.rid: r.spec for r in self._pending[0].reqs}
-            return all(n <= spec.get(rid, n) for rid, n in event.accepted.items())
-        if t is AddRequest:
-            return (
-                event.id not in self._status
-                and event.prompt_len >= 1 and event.max_new_tokens >= 1
-                and event.prompt_len + event.max_new_tokens <= cfg.max_model_len
-                and 0 <= event.external_tokens < event.prompt_len
-                and (not event.external_tokens or cfg.hazard == "unordered")
-            )
-        if t is Preempt:
-            return self._status.get(event.id) == "running"
-        if t is FailLoad:
-            if len(cfg.groups) > 1:
-                return False  # a known crash (findings/failed-load-hybrid-crashes-*)
-            lo = event.first_bad_block * cfg.block_size
-            return any(r.rid == event.id and r.loaded and r.start - r.loaded <= lo < r.start
-                       for s in self._pending for r in s.reqs)
-        if t is Finish or t is Abort:
-            return self._status.get(event.id, "finished") != "finished"
-        return False
+        if type(event) is AddRequest:
+            return not event.external_tokens or cfg.hazard == "unordered"
+        if type(event) is FailLoad:
+            return len(cfg.groups) == 1  # a known crash (findings/failed-load-hybrid-crashes-*)
+        return True
 
 
 def worker_for(spec: str, slot: int = 0) -> WorkerProcess:
