@@ -220,9 +220,6 @@ class Clock:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
-    def total_left(self) -> float:
-        return self.total - self.elapsed()
-
 
 # ======================================================================== stats
 

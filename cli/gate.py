@@ -28,7 +28,6 @@ target cannot be loaded).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import traceback
@@ -443,6 +442,3 @@ def run_gate(a: Any) -> int:
     print(f"verdict: {verdict} (exit {code}); {reports / 'gate.md'}, JUnit {junit}")
     return code
 
-
-def default_reports() -> str:
-    return os.path.join("reports", "gate")

@@ -33,12 +33,10 @@ class Unsupported(ValueError):
 class Capabilities:
     kinds: frozenset[str] = frozenset({*KINDS, "hybrid"})
     max_depth: int = 4
-    reports_in_flight: bool = True  # counters carry num_in_flight_tokens
     fixed_policy: str | None = None  # the policy the target implements, if not configurable
     # per kind, fuzz options the target needs: (FuzzSpec field, value, why); a
     # field left to be drawn takes the value, one set otherwise is refused
     pinned: dict[str, tuple[tuple[str, object, str], ...]] = field(default_factory=dict)
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:

@@ -40,12 +40,6 @@ MAX_MODEL_LEN = 131_072  # tokens of one request (prompt + new); also caps block
 #                            window, chunk, sink, the token budget and first_bad_block
 MAX_NUM_SEQS = 4_096  # requests running at once
 MAX_SPEC_TOKENS = 64  # draft tokens per decode
-LIMITS = {
-    "trace bytes": MAX_TRACE_BYTES, "JSON nesting": MAX_NESTING, "events": MAX_EVENTS,
-    "requests": MAX_REQUESTS, "request id characters": MAX_ID_LEN,
-    "num_blocks": MAX_NUM_BLOCKS, "max_model_len (tokens per request)": MAX_MODEL_LEN,
-    "max_num_seqs": MAX_NUM_SEQS, "spec_tokens": MAX_SPEC_TOKENS,
-}
 
 # the kinds the fuzzer, the prover and the targets take (model/kinds.py has their classes)
 KINDS = tuple(KIND_CLASSES)

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 
 NULL = 0
 
-REASONS = ("window", "finish", "abort", "preempt", "failed_load")
-
 
 @dataclass(frozen=True)
 class ReqStep:

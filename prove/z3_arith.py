@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import z3
 
-Term = z3.ArithRef
-
 
 def zmax(a, b):
     return z3.If(a >= b, a, b)

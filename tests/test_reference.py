@@ -168,6 +168,27 @@ def random_run(seed: int, n_events: int = 120, **over) -> Driver:
     return d
 
 
+def test_the_engine_order_allows_every_event_the_reference_takes():
+    """model/streams.EngineState (read from observations) refuses no event the
+    reference's own guard takes, so the driver misses none; it refuses some
+    (a Schedule with depth steps in flight, an event of an ended request)."""
+    refused = Counter()
+    for seed in range(60):
+        rng = random.Random(seed)
+        d = driver(random_config(rng), rng)
+        ref = d.targets[0]
+        for _ in range(80):
+            for _, ev in d.candidates():
+                why = d.state.why_not(ev)
+                if ref.can_apply(ev):
+                    assert why is None, f"seed {seed}: {ev}: {why}"
+                elif why is not None:
+                    refused[type(ev).__name__] += 1
+            if d.step() is None:
+                break
+    assert refused["Schedule"] and refused["Preempt"], refused
+
+
 # ------------------------------------------------------------- sync unchanged
 
 

@@ -27,18 +27,15 @@ from .scheduler import Scheduler
 
 class ReferenceTarget:
     name = "reference"
-    capabilities = Capabilities(
-        notes=(
-            "every registered policy, by name, as the freeing basis of every group",
-            "hazard=unordered defers request-level frees, while the request has a "
-            "step in flight, until every step scheduled by then is processed",
-            "a Preempt arriving with depth steps in flight (the engine's batch queue "
-            "full), and at depth 1 a Finish or Abort arriving while the step runs, "
-            "are held until the next output is processed",
-            "a failed load recomputes from the first bad block into the blocks held, "
-            "or from further back where that position's window reaches NULL slots",
-        ),
-    )
+    # Every registered policy, by name, is the freeing basis of every group.
+    # hazard=unordered defers request-level frees, while the request has a step
+    # in flight, until every step scheduled by then is processed. A Preempt
+    # arriving with depth steps in flight (the engine's batch queue full), and
+    # at depth 1 a Finish or Abort arriving while the step runs, are held until
+    # the next output is processed. A failed load recomputes from the first bad
+    # block into the blocks held, or from further back where that position's
+    # window reaches NULL slots.
+    capabilities = Capabilities()
 
     def __init__(self) -> None:
         self._s: Scheduler | None = None

@@ -397,21 +397,17 @@ class VllmTarget:
         self._session: Any = None
         self._config: Config | None = None
         in_flight = compat.tracks_in_flight(self.inst.pkg)
+        # config.policy is ignored: vLLM implements fixed_policy; external
+        # tokens need hazard=unordered (a KV-consumer connector); FailLoad on
+        # several KV-cache groups crashes vLLM (findings/), so can_apply refuses
+        # it; depth 3-4 is pipeline parallelism (the module docstring)
         self.capabilities = Capabilities(
-            reports_in_flight=in_flight,
             fixed_policy="settled" if in_flight else "optimistic",
             pinned={"mamba": (
                 ("prefix_caching", True, "without prefix caching vLLM sizes a Mamba block to "
                  "max_model_len ('none' mode), a layout with one slot per request; fuzz "
                  "Mamba with --prefix-caching on ('align' mode)"),
             )},
-            notes=(
-                "config.policy is ignored: vLLM implements fixed_policy",
-                "external tokens need hazard=unordered (a KV-consumer connector)",
-                "FailLoad on several KV-cache groups crashes vLLM (findings/); the fuzzer "
-                "draws it on single groups only",
-                "depth 3-4: pipeline parallelism (see impl/vllm module docstring)",
-            ),
         )
         self._reset_mirror()
 

@@ -41,7 +41,6 @@ from typing import Any
 MIN_RELEASE = (0, 25, 1)
 MAX_LINE = (0, 33)
 TESTED = ("0.25.1", "0.26.0", "0.33.0")
-FIX_RELEASE = (0, 26, 0)  # first release that frees on the settled count
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_ROOT = REPO / ".vllm"
