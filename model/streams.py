@@ -181,7 +181,11 @@ class Driver:
                 if r.spec and (every or self.rng.random() < 0.7)}
 
     def candidates(self) -> list[tuple[str, Event]]:
-        """One drawn event of each kind the state allows, with its kind."""
+        """One drawn event of each kind, with its kind (:meth:`step` keeps the
+        valid ones): an AddRequest while fewer than ``max_requests`` were
+        added, a Schedule, with a step in flight a Process of it and a FailLoad
+        of a block one of its loads covers, with a live request a Preempt and
+        a Finish or Abort of it."""
         rng, st, B = self.rng, self.state, self.cfg.block_size
         out: list[tuple[str, Event]] = []
         if self.added < self.max_requests:
