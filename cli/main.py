@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed (--kind hybrid): groups of 1, 2 or 4 times the block size, as "
                         "vLLM plans layers whose pages differ; prefix hashes are then finer "
                         "than some groups' blocks")
+    f.add_argument("--prefix-match-unit", choices=("block", "fine"), default="block",
+                   help="fine (--kind hybrid): full attention beside Mamba hashed at B/2 or "
+                        "B/4 tokens (vLLM's prefix_match_unit), where prefix hits end inside "
+                        "a block and are served from a copy of it")
     f.add_argument("--no-external", action="store_true",
                    help="no connector-loaded tokens (and so no failed loads)")
     f.add_argument("--unaligned-loads", action="store_true",
@@ -227,6 +231,7 @@ def cmd_fuzz(a) -> int:
                     block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
                     aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes,
+                    match_unit=a.prefix_match_unit,
                     load_failure=a.kv_load_failure_policy)
     _validate_spec(spec, a)
     workers = default_workers() if a.workers is None else a.workers
@@ -368,6 +373,12 @@ def _validate_spec(spec, a) -> None:
     if spec.block_sizes != "uniform" and spec.kind != "hybrid":
         raise UsageError(f"--group-block-sizes {spec.block_sizes}: several groups only "
                          f"(--kind hybrid), got --kind {spec.kind}")
+    if spec.match_unit != "block" and (spec.kind != "hybrid" or spec.prefix_caching is False
+                                       or spec.block_sizes != "uniform"
+                                       or (spec.block_size or 4) < 4):
+        raise UsageError(f"--prefix-match-unit {spec.match_unit}: --kind hybrid (full beside "
+                         "Mamba) with prefix caching, uniform group block sizes and a block "
+                         "size of 4 or more")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):

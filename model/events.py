@@ -306,6 +306,9 @@ class Config:
     prefix_caching: bool = False
     drafter: str = "ngram"  # DRAFTERS; saved only when not "ngram"
     kv_load_failure_policy: str = "recompute"  # KV_LOAD_FAILURE_POLICIES; saved when "fail"
+    # vLLM's cache_config.prefix_match_unit: the hash unit, finer than the blocks
+    # (0: unset, vLLM's default); saved when set. See :attr:`partial_hits`.
+    prefix_match_unit: int = 0
 
     def __post_init__(self) -> None:
         # vLLM's planner tags every sliding window with the drafter's retained
@@ -376,8 +379,35 @@ class Config:
         size. A group whose block is ``k`` units long is keyed by the chained
         hash of its last unit (vLLM's ``BlockHashListWithBlockSize``)."""
         if (self.prefix_caching or self.hazard == "unordered") and len(self.groups) > 1:
-            return math.gcd(*self.block_sizes)
+            return self.prefix_match_unit or math.gcd(*self.block_sizes)
         return self.scheduler_block_size
+
+    @property
+    def partial_hits(self) -> bool:
+        """Whether a prefix hit may end inside a block (vLLM's
+        ``partial_hash_hits_enabled``): prefix caching on and a Mamba
+        (``"align"``) group whose block is longer than the hash unit, every
+        other group one that looks up hash units inside its blocks (full
+        attention, R-SWA) or no longer than the unit. A hybrid model's Mamba
+        block is its attention block (``_align_hybrid_block_size``), so this
+        takes ``prefix_match_unit`` below it. Hits then land on hash units
+        (``resolve_cache_hit_alignment_tokens``); a full-attention block holding
+        the prompt's last hash boundary is keyed there too
+        (``cache_partial_block``), and a hit ending inside a block is served
+        from a private copy of it (copy-on-write, :class:`model.observations.CopyObs`)."""
+        if not self.prefix_caching or len(self.groups) < 2:
+            return False
+        u = self.hash_block_size
+        return any(g.spec.holds_state and B > u for g, B in
+                   zip(self.groups, self.block_sizes, strict=True)) and \
+            all(g.spec.sub_block_lookup or B == u for g, B in
+                zip(self.groups, self.block_sizes, strict=True) if g.spec.prefix_cacheable)
+
+    @property
+    def hit_alignment(self) -> int:
+        """Tokens a prefix hit's length is a multiple of: the hash unit with
+        :attr:`partial_hits`, else the scheduler block size."""
+        return self.hash_block_size if self.partial_hits else self.scheduler_block_size
 
     @property
     def mixed_block_sizes(self) -> bool:
@@ -391,6 +421,7 @@ class Config:
             + (" prefix-caching" if self.prefix_caching else "")
             + (f" drafter={self.drafter}" if self.drafter != "ngram" else "")
             + (" load-failure=fail" if self.kv_load_failure_policy == "fail" else "")
+            + (f" prefix-match-unit={self.prefix_match_unit}" if self.prefix_match_unit else "")
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -403,6 +434,8 @@ class Config:
             del d["drafter"]  # traces saved before drafters were configurable
         if self.kv_load_failure_policy == "recompute":
             del d["kv_load_failure_policy"]
+        if not self.prefix_match_unit:
+            del d["prefix_match_unit"]
         return d
 
     @staticmethod
@@ -525,6 +558,36 @@ class Config:
             raise TraceError(f"config: unknown kv_load_failure_policy "
                              f"{self.kv_load_failure_policy!r:.40} "
                              f"(known: {', '.join(KV_LOAD_FAILURE_POLICIES)})")
+        self._validate_match_unit()
+
+    def _validate_match_unit(self) -> None:
+        """``prefix_match_unit`` as vLLM's ``resolve_kv_cache_block_sizes``
+        takes it, and only where the model follows what it does."""
+        u = self.prefix_match_unit
+        if not _is_int(u) or u < 0:
+            raise TraceError(f"config: prefix_match_unit must be a positive integer (0: unset), "
+                             f"got {_short(u)}")
+        if not u:
+            return
+        sizes = self.block_sizes
+        if len(self.groups) == 1:
+            if u != sizes[0] and (self.prefix_caching or self.hazard == "unordered"):
+                raise TraceError(f"config: prefix_match_unit {u} with one KV-cache group: vLLM "
+                                 f"lands prefix hits on the block size {sizes[0]} and refuses "
+                                 f"any other unit")
+        elif self.prefix_caching or self.hazard == "unordered":
+            cacheable = [B for g, B in zip(self.groups, sizes, strict=True)
+                         if g.spec.prefix_cacheable] or list(sizes)
+            if any(B % u for B in cacheable):
+                raise TraceError(f"config: prefix_match_unit {u} does not divide every group's "
+                                 f"block size {list(cacheable)} (vLLM refuses it)")
+        if not self.prefix_caching:
+            raise TraceError(f"config: prefix_match_unit {u} needs prefix caching on (vLLM "
+                             f"hashes no prompt for hits without it)")
+        if u != self.scheduler_block_size and not self.partial_hits:
+            raise TraceError(f"config: prefix_match_unit {u} below the block size is modelled "
+                             f"where it enables sub-block hits (a Mamba group beside full "
+                             f"attention, vLLM's partial_hash_hits_enabled)")
 
 
 def sliding(w: int, **kw: Any) -> Config:

@@ -75,6 +75,10 @@ class Kind:
     # vLLM's prefix lookup for it asserts that its block size is the hit
     # alignment (0.33.0's chunked-local manager): no other block size beside it
     vllm_one_block_size: ClassVar[bool] = False
+    # vLLM's manager looks a hit up at hash units inside its blocks
+    # (``supports_fine_grained_hash_lookup``): full attention and its
+    # subclasses, Mamba
+    sub_block_lookup: ClassVar[bool] = False
 
     retained: int = 0  # tokens kept below the window (sliding only; vLLM's extra_retained_tokens)
     # vLLM's planner gives its layers a drafter's retained tokens (SlidingWindowSpec)
@@ -204,6 +208,7 @@ class Full(Kind):
 
     name = "full"
     vllm_manager = "FullAttentionManager"
+    sub_block_lookup = True
     vllm_spec = "FullAttentionSpec"
     frees_early = False
 
@@ -343,6 +348,7 @@ class Mamba(Kind):
 
     name = "mamba"
     vllm_manager = "MambaManager"
+    sub_block_lookup = True
     vllm_spec = "MambaSpec"
     holds_state = True
     own_block_size = False
@@ -409,6 +415,7 @@ class RSWA(Kind):
     name = "rswa"
     param_name = "window"
     vllm_manager = "RSWAManager"
+    sub_block_lookup = True
     vllm_spec, vllm_param = "RSWASpec", "rswa_window"
     # R-SWA frees only once the outputs run R tokens past the prompt: short
     # windows, longer generations
@@ -461,6 +468,7 @@ class Sink(Kind):
     name = "sink"
     param_name = "sink_len"
     vllm_manager = "SinkFullAttentionManager"
+    sub_block_lookup = True
     vllm_spec, vllm_param = "SinkFullAttentionSpec", "sink_len"
     frees_early = False
     own_block_size = False

@@ -16,10 +16,13 @@ Item kinds:
 * :class:`FreeObs`: a request let go of a physical block (its reference was
   dropped; with prefix caching the block may stay cached in the pool), and
   why: ``window`` (out of the attention window), ``finish``, ``abort``,
-  ``preempt``, ``failed_load``.
+  ``preempt``, ``failed_load``, ``copy`` (a copy's hold, :class:`CopyObs`).
 * :class:`MoveObs`: a request's block moved from one logical slot to another
   of the same group, its old slot now NULL (vLLM's Mamba align mode relocates
   a speculative state block past the new running state); no reference changes.
+* :class:`CopyObs`: a block's KV is copied into a fresh block before the next
+  step runs (vLLM's copy-on-write of a prefix hit that ends inside a block);
+  both blocks are held by the copy until a ``copy`` free returns each.
 * :class:`ProcessObs`: the oldest unprocessed step's output was handed back,
   with the drafts accepted per request and the requests whose output was
   discarded (preempted, finished or failed meanwhile).
@@ -78,6 +81,24 @@ class MoveObs:
 
 
 @dataclass(frozen=True)
+class CopyObs:
+    """``src``'s KV is copied into ``dst`` (fresh) with the next step, before
+    its forward; the copy holds a reference of each until it ran (a ``copy``
+    :class:`FreeObs` of ``rid`` returns each). ``logical >= 0``: the request's
+    slot ``logical`` of ``group``, a prefix hit ending inside the block, moves
+    from ``src`` to ``dst``, its private copy (the request's reference of
+    ``src`` becomes the copy's). ``logical == -1``: the request keeps writing
+    ``src`` and ``dst`` keeps ``src``'s prefix-cache entry (vLLM's Mamba state
+    at a prompt's last hash boundary, overwritten by the request's next step)."""
+
+    src: int
+    dst: int
+    group: int
+    rid: str
+    logical: int
+
+
+@dataclass(frozen=True)
 class ProcessObs:
     step: int
     accepted: tuple[tuple[str, int], ...] = ()  # (rid, accepted drafts)
@@ -91,7 +112,7 @@ class FinishObs:
     reason: str  # "length", "finish", "abort"; "error" (a failed load, policy "fail")
 
 
-Item = StepObs | AllocObs | FreeObs | MoveObs | ProcessObs | FinishObs
+Item = StepObs | AllocObs | FreeObs | MoveObs | CopyObs | ProcessObs | FinishObs
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from model.observations import (
     AllocObs,
     FinishObs,
     FreeObs,
+    CopyObs,
     MoveObs,
     Observed,
     ProcessObs,
@@ -74,6 +75,10 @@ WITNESSES = {
     "prefix_hit": "a prefix-cache hit on a block another request wrote",
     "fine_grained_hit": "a prefix-cache hit on a block longer than the hash unit (its key the "
                         "chained hash of its last unit: groups of different block sizes)",
+    "partial_hit": "a prefix-cache hit ending inside a block, served from a private copy of "
+                   "it (copy-on-write: prefix_match_unit below a Mamba group's block)",
+    "partial_tail_copied": "a Mamba state at a prompt's last hash boundary copied out before "
+                           "the request's next step overwrites it",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
@@ -193,6 +198,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
         out.add("prefix_hit")
         if max(cfg.block_sizes) > cfg.hash_block_size:
             out.add("fine_grained_hit")
+        if cfg.partial_hits:
+            out.add("partial_hit")
     if any(g.spec.reprefill() for g in cfg.groups):
         out.add("reprefill_reach")
     if cfg.spec_tokens and any(g.spec.holds_state for g in cfg.groups):
@@ -234,6 +241,11 @@ class Checker:
         # a later step writes them again or the block is handed out afresh
         self.bad: dict[int, tuple[int, int]] = {}
         self.detached: Counter[tuple[str, int, int, int]] = Counter()
+        # copies not yet run or not yet processed: [CopyObs, the step that runs
+        # it (None until the next step is scheduled)]; (rid, group, block) ->
+        # references a copy of rid's holds
+        self._copies: list[list] = []
+        self.copy_held: Counter[tuple[str, int, int]] = Counter()
         # What every slot of a block holds: per offset, ``(key, step, rid)`` of
         # the KV a step (or a connector load) wrote there for the token prefix
         # ``key`` (model.tokens), or a string saying why it holds no valid KV.
@@ -299,6 +311,8 @@ class Checker:
                 self._alloc(item)
             elif isinstance(item, MoveObs):
                 self._move(item)
+            elif isinstance(item, CopyObs):
+                self._copy(item)
             elif isinstance(item, StepObs):
                 self._step(item)
             elif isinstance(item, ProcessObs):
@@ -477,8 +491,89 @@ class Checker:
         self.holder[new] = m.block
         self.witness["state_block_moved"] += 1
 
+    def _copy(self, c: CopyObs) -> None:
+        """A copy-on-write: ``dst``, a fresh block, holds what ``src`` holds
+        when the copy runs (before the next step's forward, after every step
+        scheduled earlier wrote), and the request's slot moves to ``dst``
+        (``logical >= 0``: a prefix hit ending inside the block), or the
+        request keeps ``src`` (``-1``). The copy holds both blocks until the
+        step that runs it is processed; under an unordered writer neither may
+        return to the pool before (property 1, as request-level frees)."""
+        src, dst, key = c.src, c.dst, (c.rid, c.group, c.logical)
+        if src == NULL or dst == NULL or self.refs[src] <= 0:
+            self._v(3, f"{c.rid} copies block {src} into block {dst} (group {c.group}), but "
+                       f"no one holds block {src}", rid=c.rid, block=src)
+            return
+        if self.refs[dst] > 0:
+            self._v(3, f"{c.rid} copies block {src} into block {dst} (group {c.group}) while "
+                       f"block {dst} is held ({self.refs[dst]} reference(s))",
+                    rid=c.rid, block=dst)
+            return
+        if c.logical >= 0:
+            if self.holder.get(key) != src:
+                self._v(3, f"{c.rid} redirects logical {c.logical} (group {c.group}) from block "
+                           f"{src}, which it does not hold there", rid=c.rid, block=src)
+                return
+            self.holder[key] = dst  # its reference of src is the copy's now
+            self.refs[dst] += 1
+            self.witness["partial_hit"] += 1
+        else:
+            self.refs[src] += 1
+            self.witness["partial_tail_copied"] += 1
+        self.refs[dst] += 1
+        self._owned += 1
+        self.copy_held[(c.rid, c.group, src)] += 1
+        self.copy_held[(c.rid, c.group, dst)] += 1
+        self._nheld[c.rid] += 2
+        self.last_owner[dst] = c.rid
+        got = self.content.get(src)
+        if got is not None:
+            self.content[dst] = list(got)
+        else:
+            self.content.pop(dst, None)
+        if src in self.bad:
+            self.bad[dst] = self.bad[src]
+        else:
+            self.bad.pop(dst, None)
+        self._ver[dst] = self._ver.get(dst, 0) + 1
+        self._copies.append([c, None])
+
+    def _free_copy(self, f: FreeObs) -> None:
+        key = (f.rid, f.group, f.block)
+        if not self.copy_held.get(key):
+            self._v(3, f"{f.rid} returned block {f.block} (group {f.group}) held for a copy "
+                       f"it does not have (double free?)", rid=f.rid, block=f.block)
+            return
+        self.copy_held[key] -= 1
+        if not self.copy_held[key]:
+            del self.copy_held[key]
+        self._nheld[f.rid] -= 1
+        n = self.refs[f.block] - 1
+        self.refs[f.block] = n
+        if n == 0:
+            self._owned -= 1
+        rec = next((r for r in self._copies if r[0].rid == f.rid and r[0].group == f.group
+                    and f.block in (r[0].src, r[0].dst)), None)
+        if rec is not None:
+            c, step = rec
+            running = step is None or step in self.pending_ids
+            if running and n == 0 and self.cfg.hazard == "unordered":
+                when = ("before any step runs it" if step is None
+                        else f"while step {step}, which runs it, is unprocessed")
+                self._v(1, f"block {f.block} returned to the pool (copy of block {c.src} into "
+                           f"block {c.dst} for {f.rid}, group {f.group}) {when}, unordered "
+                           f"writer present", step=step, rid=f.rid, block=f.block)
+            if self.copy_held.get((f.rid, f.group, c.src), 0) + \
+                    self.copy_held.get((f.rid, f.group, c.dst), 0) == 0:
+                self._copies.remove(rec)
+        if n == 0 and self.cfg.hazard == "unordered":
+            self._check_returned(f)
+
     def _free(self, f: FreeObs) -> None:
         self._let_go.add(f.rid)
+        if f.reason == "copy":
+            self._free_copy(f)
+            return
         key = (f.rid, f.group, f.logical)
         dkey = (*key, f.block)
         if self.detached.get(dkey):
@@ -565,6 +660,9 @@ class Checker:
                             return
 
     def _step(self, s: StepObs) -> None:
+        for rec in self._copies:  # the copies queued since the last step run with this one
+            if rec[1] is None:
+                rec[1] = s.step
         if self.bad:
             self._check_bad(s)
         for rs in s.reqs:  # every write of the step lands before any read (per layer)

@@ -106,6 +106,9 @@ class FuzzSpec:
     # "mixed": a hybrid's groups draw block sizes of 1, 2 or 4 times B (vLLM's
     # page-size unification), so prefix hashes are finer than some groups' blocks
     block_sizes: str = "uniform"
+    # "fine": full attention beside Mamba with a hash unit (prefix_match_unit) of
+    # B/2 or B/4, where vLLM serves prefix hits ending inside a block
+    match_unit: str = "block"
     external: bool = True  # whether requests may carry connector-loaded tokens
     aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
@@ -120,6 +123,7 @@ class FuzzSpec:
                 + ("" if self.aligned_loads else "|unaligned")
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
                 + ("" if self.block_sizes == "uniform" else f"|{self.block_sizes}")
+                + ("" if self.match_unit == "block" else f"|unit-{self.match_unit}")
                 + ("" if self.load_failure == "recompute" else f"|{self.load_failure}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
 
@@ -184,6 +188,10 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                 # vLLM's chunked-local manager takes no block size but the
                 # scheduler's (an assertion in its find_longest_cache_hit)
                 mixes = [m for m in mixes if not any(KINDS[k].vllm_one_block_size for k in m)]
+            if spec.match_unit == "fine":
+                # the layout where vLLM enables hits inside a block: full
+                # attention and Mamba, hashed finer than their common block
+                mixes, prefix = [("mamba",)], True
             local = draw(st.sampled_from(mixes))
             groups = (Group("full"), *((Group("full", draft=True),) if drafted else ()),
                       *(Group(k, param(KINDS[k])) for k in local))
@@ -203,7 +211,9 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
                      policy=spec.policy, hazard=hazard, prefix_caching=prefix,
                      drafter=spec.drafter if spec_tokens else "ngram",
-                     kv_load_failure_policy=spec.load_failure)
+                     kv_load_failure_policy=spec.load_failure,
+                     prefix_match_unit=(B // draw(st.sampled_from([2, 4]))
+                                        if spec.match_unit == "fine" else 0))
         # pools an engine starts with (one request of max_model_len fits), small
         # ones half the time: pool pressure is where preemption, eviction of
         # cached blocks and their reuse happen

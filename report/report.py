@@ -42,7 +42,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model.events import AddRequest, Config, Event, Schedule, Trace
-from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
+from model.observations import (
+    NULL,
+    AllocObs,
+    CopyObs,
+    FinishObs,
+    FreeObs,
+    ProcessObs,
+    StepObs,
+)
 from model.windows import read_blocks
 from properties.invariants import Checker, Violation
 from properties.replay import ReplayResult
@@ -291,6 +299,18 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                 last[key] = it.block
                 nulled.discard(key)
                 owners.setdefault(it.block, set()).add(key)
+            elif isinstance(it, CopyObs):
+                key = (it.rid, it.group, it.logical)
+                if it.logical >= 0 and held.get(key) == it.src:
+                    held[key] = last[key] = it.dst
+                    owners.get(it.src, set()).discard(key)
+                    owners.setdefault(it.dst, set()).add(key)
+                where = (f"its hit at logical {it.logical}" if it.logical >= 0
+                         else "the cache entry of its state")
+                notes.append(f"{it.rid} copies block {it.src} into block {it.dst} "
+                             f"(group {it.group}, {where})")
+            elif isinstance(it, FreeObs) and it.reason == "copy":
+                returns.setdefault((it.rid, it.reason), []).append(f"{it.block}")
             elif isinstance(it, FreeObs):
                 key = (it.rid, it.group, it.logical)
                 grow(it.rid, it.group, it.logical + 1)

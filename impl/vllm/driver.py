@@ -60,6 +60,7 @@ from model.observations import (
     Counters,
     FinishObs,
     FreeObs,
+    CopyObs,
     MoveObs,
     Observed,
     ProcessObs,
@@ -234,6 +235,10 @@ class Driver:
         )
         if not probe and any(g.spec.holds_state for g in cfg.groups):
             cache.mamba_cache_mode = "align"  # Mamba blocks of B tokens (see _group_spec)
+        if not probe and cfg.prefix_match_unit:
+            if "prefix_match_unit" not in type(cache).__dataclass_fields__:
+                raise ConfigUnsupported(f"vllm {self.version} has no prefix_match_unit")
+            cache.prefix_match_unit = cfg.prefix_match_unit
         kw: dict[str, Any] = {}
         parallel = c["ParallelConfig"](pipeline_parallel_size=pp)
         if not probe and cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
@@ -419,7 +424,7 @@ class Driver:
         key = (cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                cfg.max_model_len, cfg.spec_tokens, cfg.depth, bool(cfg.prefix_caching),
                cfg.hazard, any(g.spec.holds_state for g in cfg.groups), cfg.drafter,
-               _encoder_len(cfg), cfg.kv_load_failure_policy)
+               _encoder_len(cfg), cfg.kv_load_failure_policy, cfg.prefix_match_unit)
         vc = self._vllm_configs.get(key)
         if vc is None:
             try:
@@ -458,6 +463,11 @@ class Driver:
                 f"vllm {self.version} merged the {len(cfg.groups)} groups into {len(self.mgrs)}")
         if any(m.block_pool is not self.pool for m in self.mgrs):
             raise ConfigUnsupported("vllm uses one block pool per group here; not supported")
+        partial = bool(getattr(self.kvm.coordinator, "enable_partial_hash_hits", False))
+        if partial != cfg.partial_hits:
+            raise ConfigUnsupported(
+                f"vllm {self.version} {'enables' if partial else 'disables'} prefix hits "
+                f"inside a block here; the config says {cfg.partial_hits}")
         self.null = self.pool.null_block
         self.null_id = self.null.block_id
         self.connector = getattr(sched, "connector", None)
@@ -490,6 +500,8 @@ class Driver:
         self.reasons: list[str] = []
         self.window: list[tuple[int, str]] = []  # inside remove_skipped_blocks(rid) of group
         self.fresh: set[int] = set()
+        self.cows: list[tuple[int, str, int, Any, Any]] = []  # _apply_cow calls
+        self.queued_copies: list[CopyObs] = []  # queued, not yet handed to the worker
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
         self.leaving: list[str] = []  # left the counters; forgotten once no step holds them
@@ -531,18 +543,48 @@ class Driver:
         def allocate_slots_w(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid = request.request_id
             before = [len(m.req_to_blocks.get(rid, ())) for m in self.mgrs]
+            copies = [len(getattr(m, "_pending_cow_copies", ())) for m in self.mgrs]
             self.fresh = set()
+            self.cows = []
             ret = allocate_slots(request, *args, **kwargs)
+            redirected = {(g, slot): (src, cow) for g, r, slot, src, cow in self.cows
+                          if r == rid}
             for g, m in enumerate(self.mgrs):
                 after = m.req_to_blocks.get(rid)
                 if after and len(after) > before[g]:
-                    self._record_allocs(g, rid, before[g], after)
+                    self._record_allocs(g, rid, before[g], after, redirected)
+            for g, m in enumerate(self.mgrs):
+                for src, cow in list(getattr(m, "_pending_cow_copies", ()))[copies[g]:]:
+                    self._record_copy(g, rid, src, cow, redirected)
             return ret
 
         kvm.allocate_slots = allocate_slots_w
 
+        take_copies = getattr(kvm, "take_kv_cache_block_copies", None)
+        if take_copies is not None:
+            def take_copies_w(*args: Any, **kwargs: Any) -> Any:
+                """The copies handed to the worker with this step: each is
+                observed as it is sent (one vLLM queued but does not send is
+                not a copy the step runs)."""
+                ret = take_copies(*args, **kwargs)
+                queued, self.queued_copies = self.queued_copies, []
+                for c in ret[0]:
+                    src, dst = self._pid_of(c.src_block_id), self._pid_of(c.dst_block_id)
+                    obs = next((q for q in queued if (q.src, q.dst) == (src, dst)), None)
+                    if obs is None:
+                        raise InstrumentationError(
+                            f"vllm copies block {src} into block {dst}, a copy no allocation "
+                            f"queued")
+                    queued.remove(obs)
+                    self.items.append(obs)
+                return ret
+
+            kvm.take_kv_cache_block_copies = take_copies_w
+
         self._wrap_reason(sched, "_preempt_request", lambda request, *a, **k: "preempt")
         self._wrap_reason(sched, "_free_blocks", lambda request, *a, **k: self._end_reason(request))
+        if hasattr(sched, "_free_cow_retained_blocks"):
+            self._wrap_reason(sched, "_free_cow_retained_blocks", lambda *a, **k: "copy")
         if hasattr(sched, "_update_waiting_for_remote_kv"):
             self._wrap_reason(sched, "_update_waiting_for_remote_kv",
                               lambda request, *a, **k: "failed_load")
@@ -627,6 +669,15 @@ class Driver:
 
         mgr.pop_blocks_for_free = pop_blocks_w
 
+        apply_cow = getattr(mgr, "_apply_cow", None)
+        if apply_cow is not None:
+            def apply_cow_w(request_id: str, block_idx: int, source: Any, cow: Any) -> Any:
+                ret = apply_cow(request_id, block_idx, source, cow)
+                self.cows.append((g, request_id, block_idx, source, cow))
+                return ret
+
+            mgr._apply_cow = apply_cow_w
+
         relocate = getattr(mgr, "_relocate_speculative_block", None)
         if relocate is not None:
             def relocate_w(req_blocks: list[Any], block_idx: int) -> Any:
@@ -662,6 +713,12 @@ class Driver:
             return NULL
         return self.null_id if i == NULL else i
 
+    def _pid_of(self, vid: int) -> int:
+        """Physical id in observations of vLLM's block id ``vid``."""
+        if self.null_id == NULL or vid not in (NULL, self.null_id):
+            return vid
+        return NULL if vid == self.null_id else self.null_id
+
     def _vid(self, pid: int) -> int:
         """vLLM's block id of an observed physical id (inverse of :meth:`_pid`)."""
         return NULL if pid == self.null_id != NULL else pid
@@ -679,7 +736,10 @@ class Driver:
                 return
         owed = self.owed.get(id(b))
         if owed:
-            g, rid, slot, why = owed.pop(0)
+            # a copy's retention released at once names the copy's entry
+            i = next((i for i, o in enumerate(owed) if o[3] == "copy"), 0) \
+                if self.reasons and self.reasons[-1] == "copy" else 0
+            g, rid, slot, why = owed.pop(i)
             if not owed:
                 del self.owed[id(b)]
             self.items.append(FreeObs(self._pid(b), g, rid, slot, why))
@@ -687,16 +747,46 @@ class Driver:
         raise InstrumentationError(
             f"block {self._pid(b)} returned to the pool by a path kvcheck cannot attribute")
 
-    def _record_allocs(self, g: int, rid: str, n: int, after: list[Any]) -> None:
+    def _record_copy(self, g: int, rid: str, src: Any, cow: Any,
+                     redirected: dict[tuple[int, int], tuple[Any, Any]]) -> None:
+        """A copy vLLM queued for the worker (``_pending_cow_copies``) while
+        allocating for ``rid``: of a hit ending inside a block into the
+        request's private block (``_apply_cow``, the slot redirected), or of a
+        Mamba state at the prompt's last hash boundary into a block that keeps
+        its cache entry (the request keeps ``src``). Both ends stay held until
+        the step running it is processed (``_free_cow_retained_blocks``)."""
+        slot = next((s for (gg, s), (a, b) in redirected.items()
+                     if gg == g and a is src and b is cow), None)
+        tab = self.table[rid][g]
+        spid, cpid = self._pid(src), self._pid(cow)
+        if slot is None:
+            slot = -1
+        elif slot >= len(tab) or tab[slot] != spid:
+            raise InstrumentationError(
+                f"request {rid} group {g}: a copy-on-write of block {spid} at slot {slot} "
+                f"kvcheck did not see it at")
+        else:
+            tab[slot] = cpid
+        self.queued_copies.append(CopyObs(spid, cpid, g, rid, slot))
+        for b, s in ((src, slot), (cow, slot)):
+            self.owed.setdefault(id(b), []).append((g, rid, s, "copy"))
+
+    def _record_allocs(self, g: int, rid: str, n: int, after: list[Any],
+                       redirected: dict[tuple[int, int], tuple[Any, Any]] | None = None,
+                       ) -> None:
         """Blocks appended to the request's table of group ``g`` beyond slot ``n``
         (vLLM only appends; an in-place change shows up as a table mismatch
-        when the request is next scheduled)."""
+        when the request is next scheduled). A slot ``_apply_cow`` redirected in
+        this allocation shows the prefix hit it took (``redirected``: slot ->
+        (hit block, copy)); the copy follows (:meth:`_record_copy`)."""
         tab = self.table[rid][g]
         live = self.live[rid]
         if len(tab) < n:
             tab.extend([NULL] * (n - len(tab)))
         for slot in range(n, len(after)):
             b = after[slot]
+            if redirected and (g, slot) in redirected:
+                b = redirected[(g, slot)][0]
             pid = NULL if b.is_null else self._pid(b)
             if slot < len(tab):  # seen already: a relocated speculative block
                 if tab[slot] != pid:
