@@ -398,9 +398,9 @@ class Config:
         if not self.prefix_caching or len(self.groups) < 2:
             return False
         u = self.hash_block_size
-        return any(g.spec.holds_state and B > u for g, B in
+        return any(g.spec.holds_state and u < B for g, B in
                    zip(self.groups, self.block_sizes, strict=True)) and \
-            all(g.spec.sub_block_lookup or B == u for g, B in
+            all(g.spec.sub_block_lookup or u == B for g, B in
                 zip(self.groups, self.block_sizes, strict=True) if g.spec.prefix_cacheable)
 
     @property

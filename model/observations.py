@@ -20,9 +20,10 @@ Item kinds:
 * :class:`MoveObs`: a request's block moved from one logical slot to another
   of the same group, its old slot now NULL (vLLM's Mamba align mode relocates
   a speculative state block past the new running state); no reference changes.
-* :class:`CopyObs`: a block's KV is copied into a fresh block before the next
-  step runs (vLLM's copy-on-write of a prefix hit that ends inside a block);
-  both blocks are held by the copy until a ``copy`` free returns each.
+* :class:`CopyObs`: a copy of a block's KV into a fresh block is queued
+  (vLLM's copy-on-write of a prefix hit that ends inside a block); both blocks
+  are held by the copy until a ``copy`` free returns each. The copy itself
+  runs with the next step (``StepObs.copies``).
 * :class:`ProcessObs`: the oldest unprocessed step's output was handed back,
   with the drafts accepted per request and the requests whose output was
   discarded (preempted, finished or failed meanwhile).
@@ -51,6 +52,9 @@ class ReqStep:
 class StepObs:
     step: int  # 0, 1, 2, ... in schedule order
     reqs: tuple[ReqStep, ...]
+    # (src, dst): block copies the worker runs before this step's forward, all
+    # at once (every source read before any destination is written)
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,10 @@ class MoveObs:
 
 @dataclass(frozen=True)
 class CopyObs:
-    """``src``'s KV is copied into ``dst`` (fresh) with the next step, before
-    its forward; the copy holds a reference of each until it ran (a ``copy``
-    :class:`FreeObs` of ``rid`` returns each). ``logical >= 0``: the request's
+    """A copy of ``src``'s KV into ``dst`` (fresh) is queued for the next step
+    (it runs when a step lists it in ``StepObs.copies``); the copy holds a
+    reference of each until it ran (a ``copy`` :class:`FreeObs` of ``rid``
+    returns each). ``logical >= 0``: the request's
     slot ``logical`` of ``group``, a prefix hit ending inside the block, moves
     from ``src`` to ``dst``, its private copy (the request's reference of
     ``src`` becomes the copy's). ``logical == -1``: the request keeps writing

@@ -42,9 +42,9 @@ from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
 from model.observations import (
     NULL,
     AllocObs,
+    CopyObs,
     FinishObs,
     FreeObs,
-    CopyObs,
     MoveObs,
     Observed,
     ProcessObs,
@@ -246,6 +246,8 @@ class Checker:
         # references a copy of rid's holds
         self._copies: list[list] = []
         self.copy_held: Counter[tuple[str, int, int]] = Counter()
+        self._early_copy_frees: list[tuple[int, list]] = []  # (block, copy record)
+        self._copy_group: dict[tuple[int, int], int] = {}  # queued copy -> its group
         # What every slot of a block holds: per offset, ``(key, step, rid)`` of
         # the KV a step (or a connector load) wrote there for the token prefix
         # ``key`` (model.tokens), or a string saying why it holds no valid KV.
@@ -526,17 +528,56 @@ class Checker:
         self.copy_held[(c.rid, c.group, dst)] += 1
         self._nheld[c.rid] += 2
         self.last_owner[dst] = c.rid
-        got = self.content.get(src)
-        if got is not None:
-            self.content[dst] = list(got)
-        else:
-            self.content.pop(dst, None)
-        if src in self.bad:
-            self.bad[dst] = self.bad[src]
-        else:
-            self.bad.pop(dst, None)
+        # a fresh block holds nothing until the copy runs (StepObs.copies)
+        self.content.pop(dst, None)
+        self.bad.pop(dst, None)
         self._ver[dst] = self._ver.get(dst, 0) + 1
         self._copies.append([c, None])
+        self._copy_group[(src, dst)] = c.group
+
+    def _run_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """The worker's copies before a step's forward, as one gather and one
+        scatter (``blocks[dst] = blocks[src]``): every destination gets what
+        its source held before any of them was written."""
+        content, bad = self.content, self.bad
+        got = [(src, dst, content.get(src), bad.get(src), self._copy_group.pop((src, dst), None))
+               for src, dst in copies]
+        for src, dst, c, b, gi in got:
+            if c is None:
+                if gi not in self._kv_groups:
+                    content.pop(dst, None)
+                else:
+                    why = (f"no KV: it is a copy of block {src}, which held nothing when the "
+                           f"copies before this step ran (a block handed out afresh, or one "
+                           f"another copy of the same step was to fill)")
+                    content[dst] = [why] * self.Bs[gi]
+            else:
+                content[dst] = list(c)
+            if b is None:
+                bad.pop(dst, None)
+            else:
+                bad[dst] = b
+            self._ver[dst] = self._ver.get(dst, 0) + 1
+
+    def _check_early_copy_frees(self, now: int) -> None:
+        """A block a copy reads or writes went back to the pool before the step
+        running the copy was processed: harmless until another step is
+        scheduled meanwhile (a connector may then load into it, on its own
+        stream, while the copy may not have run); ``now`` is being scheduled."""
+        keep = []
+        for blk, rec in self._early_copy_frees:
+            c, step = rec
+            if step not in self.pending_ids:
+                continue  # processed: the copy ran
+            if step == now:
+                keep.append((blk, rec))
+                continue
+            self._v(1, f"block {blk} returned to the pool (copy of block {c.src} into block "
+                       f"{c.dst} for {c.rid}, group {c.group}) while step {step}, which runs "
+                       f"the copy, is unprocessed, and step {now} is scheduled meanwhile "
+                       f"(unordered writer present: a load into it races the copy)",
+                    step=step, rid=c.rid, block=blk)
+        self._early_copy_frees = keep
 
     def _free_copy(self, f: FreeObs) -> None:
         key = (f.rid, f.group, f.block)
@@ -558,11 +599,9 @@ class Checker:
             c, step = rec
             running = step is None or step in self.pending_ids
             if running and n == 0 and self.cfg.hazard == "unordered":
-                when = ("before any step runs it" if step is None
-                        else f"while step {step}, which runs it, is unprocessed")
-                self._v(1, f"block {f.block} returned to the pool (copy of block {c.src} into "
-                           f"block {c.dst} for {f.rid}, group {f.group}) {when}, unordered "
-                           f"writer present", step=step, rid=f.rid, block=f.block)
+                # in the pool before the copy ran: a connector loading into it
+                # for a step scheduled before that one is processed races the copy
+                self._early_copy_frees.append((f.block, rec))
             if self.copy_held.get((f.rid, f.group, c.src), 0) + \
                     self.copy_held.get((f.rid, f.group, c.dst), 0) == 0:
                 self._copies.remove(rec)
@@ -663,6 +702,10 @@ class Checker:
         for rec in self._copies:  # the copies queued since the last step run with this one
             if rec[1] is None:
                 rec[1] = s.step
+        if self._early_copy_frees:
+            self._check_early_copy_frees(s.step)
+        if s.copies:
+            self._run_copies(s.copies)
         if self.bad:
             self._check_bad(s)
         for rs in s.reqs:  # every write of the step lands before any read (per layer)

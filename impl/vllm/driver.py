@@ -57,10 +57,10 @@ from model.events import (
 from model.observations import (
     NULL,
     AllocObs,
+    CopyObs,
     Counters,
     FinishObs,
     FreeObs,
-    CopyObs,
     MoveObs,
     Observed,
     ProcessObs,
@@ -501,7 +501,8 @@ class Driver:
         self.window: list[tuple[int, str]] = []  # inside remove_skipped_blocks(rid) of group
         self.fresh: set[int] = set()
         self.cows: list[tuple[int, str, int, Any, Any]] = []  # _apply_cow calls
-        self.queued_copies: list[CopyObs] = []  # queued, not yet handed to the worker
+        # copies handed to the worker with steps that ran nothing, for the next step
+        self.step_copies: list[tuple[int, int]] = []
         self.failed_now: dict[str, int] = {}
         self.finished_now: set[str] = set()
         self.leaving: list[str] = []  # left the counters; forgotten once no step holds them
@@ -559,27 +560,6 @@ class Driver:
             return ret
 
         kvm.allocate_slots = allocate_slots_w
-
-        take_copies = getattr(kvm, "take_kv_cache_block_copies", None)
-        if take_copies is not None:
-            def take_copies_w(*args: Any, **kwargs: Any) -> Any:
-                """The copies handed to the worker with this step: each is
-                observed as it is sent (one vLLM queued but does not send is
-                not a copy the step runs)."""
-                ret = take_copies(*args, **kwargs)
-                queued, self.queued_copies = self.queued_copies, []
-                for c in ret[0]:
-                    src, dst = self._pid_of(c.src_block_id), self._pid_of(c.dst_block_id)
-                    obs = next((q for q in queued if (q.src, q.dst) == (src, dst)), None)
-                    if obs is None:
-                        raise InstrumentationError(
-                            f"vllm copies block {src} into block {dst}, a copy no allocation "
-                            f"queued")
-                    queued.remove(obs)
-                    self.items.append(obs)
-                return ret
-
-            kvm.take_kv_cache_block_copies = take_copies_w
 
         self._wrap_reason(sched, "_preempt_request", lambda request, *a, **k: "preempt")
         self._wrap_reason(sched, "_free_blocks", lambda request, *a, **k: self._end_reason(request))
@@ -767,7 +747,7 @@ class Driver:
                 f"kvcheck did not see it at")
         else:
             tab[slot] = cpid
-        self.queued_copies.append(CopyObs(spid, cpid, g, rid, slot))
+        self.items.append(CopyObs(spid, cpid, g, rid, slot))
         for b, s in ((src, slot), (cow, slot)):
             self.owed.setdefault(id(b), []).append((g, rid, s, "copy"))
 
@@ -877,6 +857,10 @@ class Driver:
         if len(self.pending) >= self.cfg.depth:
             raise EventRejected(f"{self.cfg.depth} step(s) already in flight")
         out = self.sched.schedule()
+        # the copies the worker runs before this step's forward, all at once
+        # (copy_kv_cache_blocks_inplace: blocks[dst] = blocks[src])
+        self.step_copies += [(self._pid_of(c.src_block_id), self._pid_of(c.dst_block_id))
+                             for c in getattr(out, "kv_cache_block_copies", None) or ()]
         if not out.total_num_scheduled_tokens:
             return  # an empty step: nothing runs, nothing to process
         meta = getattr(out, "kv_connector_metadata", None)
@@ -909,7 +893,8 @@ class Driver:
                                tables)
             samples[rid] = not r.is_prefill_chunk
         self.pending.append(_Pending(step, out, obs, samples))
-        self.items.append(StepObs(step, tuple(obs.values())))
+        self.items.append(StepObs(step, tuple(obs.values()), tuple(self.step_copies)))
+        self.step_copies = []
 
     def _process(self, ev: Process) -> None:
         if not self.pending:
