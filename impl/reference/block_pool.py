@@ -75,6 +75,16 @@ def request_block_hashes(block_size: int, prompt_len: int, num_blocks: int,
     return chain
 
 
+def partial_key(gid: int, fine_hash: int) -> tuple[int, tuple[str, int]]:
+    """The cache key of a block at a hash-unit boundary inside it: the chained
+    hash of the prefix up to that unit (vLLM's ``cache_partial_block``)."""
+    return (gid, ("unit", fine_hash))
+
+
+def is_partial(k: tuple) -> bool:
+    return isinstance(k[1], tuple)
+
+
 class BlockPool:
     """Physical blocks ``0 .. num_blocks-1`` (0 is NULL), refcounts, free queue.
 
@@ -160,10 +170,23 @@ class BlockPool:
         return next(iter(blocks)) if blocks else NULL
 
     def cache_block(self, b: int, k: tuple[int, int]) -> None:
-        if self.key[b] is not None:
-            return
+        """Key ``b`` by ``k``; a block keyed at a hash unit inside it (a
+        partial entry, :func:`partial_key`) is keyed again once full."""
+        old = self.key[b]
+        if old is not None:
+            if old == k or not is_partial(old) or is_partial(k):
+                return
+            self._evict(b)
         self.key[b] = k
         self.cached.setdefault(k, {})[b] = None
+
+    def move_key(self, src: int, dst: int) -> None:
+        """``dst`` (a private copy of ``src``) takes ``src``'s cache entry."""
+        k = self.key[src]
+        if k is None:
+            return
+        self._evict(src)
+        self.cache_block(dst, k)
 
     def uncache(self, blocks: list[int]) -> None:
         """Forget the prefix-cache keys of ``blocks`` (their contents are bad)."""

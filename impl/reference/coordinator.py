@@ -18,17 +18,21 @@ table in group ``g``.
 from __future__ import annotations
 
 from model.events import Config
-from model.observations import AllocObs, FreeObs, Item
+from model.observations import AllocObs, CopyObs, FreeObs, Item
 
 from .block_pool import NULL, BlockPool, request_block_hashes
-from .managers import Change, SingleTypeManager, make_manager
+from .managers import Change, MambaManager, SingleTypeManager, cdiv, make_manager
 
 Held = tuple[int, int, int]  # (group, logical slot, physical block)
 
 
 class Coordinator:
     def __init__(self, config: Config, pool: BlockPool, sink: list[Item]) -> None:
-        self.S = config.scheduler_block_size  # prefix hits end on its multiples
+        self.S = config.hit_alignment  # prefix hits end on its multiples
+        # hits inside a block (Config.partial_hits): the hash unit, else 0
+        self.unit = config.hash_block_size if config.partial_hits else 0
+        # copies queued for the next step: (group, rid, slot or -1, src, dst)
+        self.copies: list[tuple[int, str, int, int, int]] = []
         self.pool = pool
         self.sink = sink
         self.managers: list[SingleTypeManager] = [
@@ -41,6 +45,8 @@ class Coordinator:
         self._last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # see ``tables``
         for m in self.managers:
             m.prompt_len = self.prompt_len
+            if m.group.spec.sub_block_lookup:
+                m.unit = self.unit
         # Admission reserves for the settled basis: every step in flight may
         # hold a full token budget beyond the count a group frees on.
         ahead = config.depth * config.max_num_batched_tokens
@@ -115,17 +121,41 @@ class Coordinator:
 
     def allocate_new_blocks(self, rid: str, num_tokens: int) -> None:
         for m in self.managers:
+            if isinstance(m, MambaManager) and m.producer:
+                c = m.copy_out_state(rid)
+                if c is not None:
+                    self._copy(rid, m.gid, -1, *c)
             self._alloc(rid, m.gid, m.allocate_new_blocks(rid, num_tokens), False)
+
+    def _copy(self, rid: str, gid: int, slot: int, src: int, dst: int) -> None:
+        self.sink.append(CopyObs(src, dst, gid, rid, slot))
+        self.copies.append((gid, rid, slot, src, dst))
+
+    def take_copies(self) -> list[tuple[int, str, int, int, int]]:
+        """The copies the next step runs (before its forward, all at once)."""
+        out, self.copies = self.copies, []
+        return out
 
     def hashes(self, prompt_len: int, variant: int = 0) -> list[list[int]]:
         """Per group, the block hashes of a request with ``prompt_len`` prompt
         tokens of ``variant``, at the group's block size (each hash keys the
         whole token prefix up to the end of its block, as vLLM's view of its
-        fine hashes at a coarser block size does)."""
-        return [request_block_hashes(m.B, prompt_len, self.max_model_len // m.B + 1, variant)
-                for m in self.managers]
+        fine hashes at a coarser block size does); with hits inside a block,
+        then the hashes per hash unit."""
+        out = [request_block_hashes(m.B, prompt_len, self.max_model_len // m.B + 1, variant)
+               for m in self.managers]
+        if self.unit:
+            out.append(request_block_hashes(self.unit, prompt_len,
+                                            self.max_model_len // self.unit + 1, variant))
+        return out
+
+    def _fine(self, hashes: list[list[int]]) -> None:
+        if self.unit:
+            for m in self.managers:
+                m.fine = hashes[-1]
 
     def cache_blocks(self, rid: str, num_tokens: int, hashes: list[list[int]]) -> None:
+        self._fine(hashes)
         for m in self.managers:
             m.cache_blocks(rid, num_tokens, hashes[m.gid])
 
@@ -167,6 +197,7 @@ class Coordinator:
         candidate length or lowers it (to the alignment); repeat until no
         group lowers it. A group's hit blocks are those covering the length."""
         S = self.S
+        self._fine(hashes)
         hit = max_len - max_len % S
         while True:
             lowest = hit
@@ -179,12 +210,18 @@ class Coordinator:
         out = []
         for m in self.managers:
             blocks = m.find_longest_cache_hit(hit, hashes[m.gid])[0]
-            out.append(blocks[:hit // m.B])
+            out.append(blocks[:cdiv(hit, m.B)])
         return out, hit
+
+    def _inside(self, m: SingleTypeManager, hit: list[int], computed: int) -> bool:
+        """Whether a hit of ``computed`` tokens ends inside its last block."""
+        return bool(self.unit and computed % m.B and len(hit) == cdiv(computed, m.B)
+                    and hit[-1] != NULL)
 
     def admission_cost(self, hits: list[list[int]], computed: int, num_tokens: int,
                        capped: bool = False) -> int:
         return sum(m.admission_cost(h, computed, num_tokens, capped)
+                   + self._inside(m, h, computed)  # the private copy
                    for m, h in zip(self.managers, hits, strict=True))
 
     def admit(self, rid: str, hits: list[list[int]], computed: int, num_tokens: int) -> None:
@@ -195,4 +232,8 @@ class Coordinator:
         self.live.setdefault(rid, [0] * len(self.managers))
         for m, h in zip(self.managers, hits, strict=True):
             self._alloc(rid, m.gid, m.add_computed_blocks(rid, h, computed), True)
+        for m, h in zip(self.managers, hits, strict=True):
+            if self._inside(m, h, computed):
+                slot = len(h) - 1
+                self._copy(rid, m.gid, slot, *m.cow(rid, slot))
         self.allocate_new_blocks(rid, num_tokens)

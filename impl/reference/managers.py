@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from model.events import Group
 
-from .block_pool import NULL, BlockPool
+from .block_pool import NULL, BlockPool, partial_key
 
 Change = tuple[int, int]  # (logical slot, physical block)
 
@@ -48,6 +48,28 @@ class SingleTypeManager:
         self.num_cached: dict[str, int] = {}
         # rid -> prompt length (the coordinator's dict, shared by every group)
         self.prompt_len: dict[str, int] = {}
+        # hits inside a block (Config.partial_hits): the hash unit, and the
+        # request's chained hashes per unit for the call at hand (the coordinator's)
+        self.unit = 0
+        self.fine: list[int] = []
+
+    def tail_boundary(self, rid: str) -> int:
+        """The prompt's last hash-unit boundary a later request can resume at
+        (it recomputes at least the prompt's last token)."""
+        return (self.prompt_len[rid] - 1) // self.unit * self.unit
+
+    def cow(self, rid: str, slot: int) -> tuple[int, int]:
+        """A hit ending inside slot ``slot``'s block: the request takes a
+        private copy of it (its reference of the hit block becomes the copy's,
+        the copy takes one of the new block besides the request's), cached
+        again once full."""
+        table = self.tables[rid]
+        src = table[slot]
+        dst = self.pool.get_new_blocks(1)[0]
+        self.pool.ref[dst] += 1
+        table[slot] = dst
+        self.num_cached[rid] = min(self.num_cached.get(rid, 0), slot)
+        return src, dst
 
     # --------------------------------------------------------- kind-specific
 
@@ -211,7 +233,28 @@ class FullAttentionManager(SingleTypeManager):
             if b == NULL:
                 break
             out.append(b)
+        u = self.unit
+        if u:  # into the next block: its hash-unit boundaries, the longest first
+            first = len(out) * (self.B // u)
+            for idx in range(min(first + self.B // u - 1, max_len // u) - 1, first - 1, -1):
+                b = get(partial_key(gid, self.fine[idx]))
+                if b != NULL:
+                    return [*out, b], (idx + 1) * u
         return out, len(out) * self.B
+
+    def cache_blocks(self, rid: str, num_tokens: int, hashes: list[int]) -> None:
+        """Full blocks, and with hits inside a block the block holding the
+        prompt's last hash boundary, keyed there once its positions up to it
+        are scheduled (vLLM's ``_cache_partial_tail_block``)."""
+        super().cache_blocks(rid, num_tokens, hashes)
+        if not self.unit:
+            return
+        T = self.tail_boundary(rid)
+        table = self.tables.get(rid, ())
+        if 0 < T <= num_tokens and T % self.B and len(table) > T // self.B \
+                and table[T // self.B] != NULL:
+            self.pool.cache_block(table[T // self.B],
+                                  partial_key(self.gid, self.fine[T // self.unit - 1]))
 
 
 class RSWAManager(FullAttentionManager):
@@ -355,6 +398,10 @@ class MambaManager(SingleTypeManager):
         # A state cached in this scheduler iteration is written by a step that
         # has not run yet: a hit ending on it waits for a later iteration.
         self.cached_this_step: set[tuple[int, int]] = set()
+        # rid -> the slot whose state (after the prompt's last hash boundary,
+        # inside the block) is keyed there and must be copied out before the
+        # request's next step overwrites it
+        self.producer: dict[str, int] = {}
 
     def new_step_starts(self) -> None:
         self.cached_this_step.clear()
@@ -366,6 +413,37 @@ class MambaManager(SingleTypeManager):
         for i in range(before, min(self.num_cached.get(rid, 0), len(table))):
             if table[i] != NULL:
                 self.cached_this_step.add((self.gid, hashes[i]))
+        if self.unit and num_tokens == self.tail_boundary(rid) and num_tokens % self.B:
+            # a chunk ended at the prompt's last hash boundary: its state is
+            # reusable there until the request's next step moves it on
+            slot = num_tokens // self.B
+            if slot < len(table) and table[slot] != NULL and rid not in self.producer:
+                k = partial_key(self.gid, self.fine[num_tokens // self.unit - 1])
+                self.pool.cache_block(table[slot], k)
+                if self.pool.key[table[slot]] == k:
+                    self.cached_this_step.add(k)
+                    self.producer[rid] = slot
+
+    def copy_out_state(self, rid: str) -> tuple[int, int] | None:
+        """Before the request's next step: the state keyed at the prompt's last
+        hash boundary goes to a fresh block, which takes its cache entry (held
+        by the copy until the step ran; vLLM's producer copy-on-write)."""
+        slot = self.producer.pop(rid, None)
+        table = self.tables.get(rid)
+        if slot is None or table is None or slot >= len(table) or table[slot] == NULL:
+            return None
+        src = table[slot]
+        dst = self.pool.get_new_blocks(1)[0]
+        self.pool.ref[src] += 1
+        self.pool.move_key(src, dst)
+        return src, dst
+
+    def get_num_blocks_to_allocate(self, rid: str, num_tokens: int) -> int:
+        return super().get_num_blocks_to_allocate(rid, num_tokens) + (rid in self.producer)
+
+    def pop_blocks_for_free(self, rid: str) -> list[Change]:
+        self.producer.pop(rid, None)  # nothing overwrites the state any more
+        return super().pop_blocks_for_free(rid)
 
     def admission_cost(self, hit: list[int], computed: int, num_tokens: int,
                        capped: bool = False) -> int:
@@ -378,6 +456,15 @@ class MambaManager(SingleTypeManager):
 
     def find_longest_cache_hit(self, max_len: int, hashes: list[int]) -> tuple[list[int], int]:
         get, gid = self.pool.get_cached_block, self.gid
+        u, B = self.unit, self.B
+        if u:  # every hash-unit boundary, the right-most state first
+            for idx in range(max_len // u - 1, -1, -1):
+                n = (idx + 1) * u
+                b = get((gid, hashes[n // B - 1]) if n % B == 0
+                        else partial_key(gid, self.fine[idx]))
+                if b != NULL:
+                    return [NULL] * (idx // (B // u)) + [b], n
+            return [], 0
         for i in range(max_len // self.B - 1, -1, -1):
             b = get((gid, hashes[i]))
             if b != NULL:

@@ -135,7 +135,7 @@ class Scheduler:
     def __init__(self, config: Config) -> None:
         self.cfg = config
         self.B = config.block_size  # the unit of FailLoad's first_bad_block
-        self.S = config.scheduler_block_size  # prefix hits end on its multiples
+        self.S = config.hit_alignment  # prefix hits end on its multiples
         self.groups = config.groups
         self.sink: list[Item] = []
         reserved = [b for g in config.groups for b in g.spec.reserved_blocks(config.block_size)]
@@ -224,9 +224,13 @@ class Scheduler:
             idx = self.num_scheduled
             self.num_scheduled += 1
             self.steps.append(Step(idx, entries))
+            copies = self.coord.take_copies()
             self.sink.append(StepObs(idx, tuple(
                 ReqStep(e.rid, e.start, e.end, e.spec, e.loaded, e.tables) for e in entries
-            )))
+            ), tuple((src, dst) for *_, src, dst in copies)))
+            # a copy holds both its blocks until the step that runs it is processed
+            for g, rid, slot, src, dst in copies:
+                self.deferred.append((idx, rid, [(g, slot, dst), (g, slot, src)], "copy"))
 
     def process(self, accepted: dict[str, int]) -> None:
         """The oldest step's output: drafts accepted or rejected, tokens sampled,
@@ -435,7 +439,18 @@ class Scheduler:
         n = min(known + r.drafts + ph - c, budget, self.cfg.max_model_len - 1 - c)
         if n <= 0:
             return 0, 0
+        n = self._stop_at_tail(r, c, n)
         return n, max(0, min(r.drafts, c + n - known - ph))
+
+    def _stop_at_tail(self, r: Request, c: int, n: int) -> int:
+        """With hits inside a block and a Mamba group, a prefill chunk stops at
+        the prompt's last hash boundary, so that the state there exists to be
+        kept (vLLM's ``tail_boundary`` stop in align mode)."""
+        u = self.coord.unit
+        if not u or not any(g.spec.holds_state for g in self.groups):
+            return n
+        T = (r.prompt_len - 1) // u * u
+        return T - c if c < T < c + n and T % self.cfg.block_size else n
 
     def _put_in_flight(self, r: Request, n: int, spec: int, loaded: int) -> Entry:
         e = Entry(r.rid, r.computed, r.computed + n, spec, loaded, self.coord.tables(r.rid))
@@ -494,6 +509,10 @@ class Scheduler:
             else:
                 hits, hit = self.no_hits, 0
             ext = 0 if r.offered else r.external
+            if ext > hit and hit % cfg.scheduler_block_size:
+                # a load covers the hit's last block: the hit stops before it
+                hit -= hit % cfg.scheduler_block_size
+                hits = [h[:hit // B] for h, B in zip(hits, cfg.block_sizes, strict=True)]
             computed, loaded = (ext, ext - hit) if ext > hit else (hit, 0)
             n, spec = known - computed, 0
             if (K and n == 1 and not prefill and (decodes or computed)
@@ -501,7 +520,7 @@ class Scheduler:
                 if budget < 1 + K:
                     break
                 n, spec = 1 + K, K
-            n = min(n, budget)
+            n = self._stop_at_tail(r, computed, min(n, budget))
             # The whole known sequence must fit (within each kind's cap), not
             # only this chunk: vLLM's full_sequence_must_fit admission gate.
             full = min(known, cfg.max_model_len)
