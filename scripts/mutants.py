@@ -64,6 +64,9 @@ class Mutant:
     # may be up to max_events long
     min_examples: int = 0
     max_events: int = 10
+    # a diff under findings/fixes/ applied to vLLM first: the tree the row edits
+    # (a path a known finding of the release would kill every row of)
+    base: str = ""
 
 
 _ASYNC = ("--depth", "2")
@@ -71,6 +74,11 @@ _CONSUMER = ("--hazard", "unordered", "--depth", "2")
 _PC = ("--prefix-caching", "on")
 
 REF = "impl/reference/"
+# hits inside a block: full attention beside Mamba hashed finer than the block,
+# on the tree without finding 9 (chained copies of one step)
+_PARTIAL = ("--kind", "hybrid", "--prefix-match-unit", "fine", "--spec-tokens", "0",
+            "--no-external", *_ASYNC)
+_CHAIN_FIX = "findings/fixes/partial-hit-copies-chain.diff"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("control", "", "", "", "the unmodified release",
@@ -527,6 +535,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "after a failed load, the reference recomputes from one block past the bad one",
         ("--kind", "full", "--prefix-caching", "off", *_CONSUMER),
         frozenset({2}), subject="reference", failed_loads=True),
+    Mutant("partial-hit-control", "", "", "", "0.33.0 with finding 9's fix, hits inside a block",
+           _PARTIAL, frozenset(), "survives", base=_CHAIN_FIX),
+    Mutant(
+        "partial-hit-shares-block", CORE + "single_type_kv_cache_manager.py",
+        "            len(new_computed_blocks) > 0\n            and num_local_computed_tokens % "
+        "self.block_size != 0\n",
+        "            False\n            and num_local_computed_tokens % "
+        "self.block_size != 0\n",
+        "a prefix hit ending inside a block is never copied on write: the request writes its "
+        "own positions into the shared block",
+        _PARTIAL, frozenset({2}), base=_CHAIN_FIX, min_examples=400, max_events=20),
+    Mutant(
+        "partial-hit-one-unit-long", CORE + "single_type_kv_cache_manager.py",
+        "                hit_length = (fine_idx + 1) * alignment_tokens\n",
+        "                hit_length = (fine_idx + 2) * alignment_tokens\n",
+        "full attention's hit on a partial entry claims one hash unit past the entry's "
+        "boundary",
+        _PARTIAL, frozenset({2}), base=_CHAIN_FIX, min_examples=400, max_events=20),
+    Mutant(
+        "ref-partial-copy-dropped", REF + "scheduler.py",
+        "            ), tuple((src, dst) for *_, src, dst in copies)))\n",
+        "            ), tuple((src, dst) for *_, src, dst in copies[1:])))\n",
+        "the reference hands a step all its queued copies but the first",
+        _PARTIAL, frozenset({2}), subject="reference", min_examples=400, max_events=20),
 )
 
 
@@ -564,8 +596,8 @@ _REPO_PARTS = ("model", "prove", "properties", "confirm", "report", "impl", "cli
                "kvcheck")
 
 
-def _edit(m: Mutant, source: Path, dest: Path) -> None:
-    text = (source / m.file).read_text()
+def _edit(m: Mutant, dest: Path) -> None:
+    text = (dest / m.file).read_text()  # the original through its link, or the base's copy
     n = text.count(m.old)
     if n != 1:
         raise AnchorError(f"mutant {m.name}: its anchor occurs {n} times in {m.file} "
@@ -585,8 +617,10 @@ def mutant_tree(m: Mutant, dest: Path) -> Path:
             raise AnchorError(f"vLLM {RELEASE} is not installed at {INSTALLED}: "
                               f"run make vllm VLLM={RELEASE}")
         shutil.copytree(INSTALLED, dest / "vllm", copy_function=os.symlink, ignore=skip)
+        if m.base:
+            _apply_base(m, dest)
         if m.file:
-            _edit(m, INSTALLED, dest / "vllm")
+            _edit(m, dest / "vllm")
     else:
         dest.mkdir(parents=True)
         for part in _REPO_PARTS:
@@ -595,8 +629,22 @@ def mutant_tree(m: Mutant, dest: Path) -> Path:
             else:
                 os.symlink(ROOT / part, dest / part)
         if m.file:
-            _edit(m, ROOT, dest)
+            _edit(m, dest)
     return dest
+
+
+def _apply_base(m: Mutant, dest: Path) -> None:
+    """Apply the row's base diff (paths ``vllm/...``) to the linked tree."""
+    diff = ROOT / m.base
+    for f in sorted(set(re.findall(r"^\+\+\+ b/(\S+)", diff.read_text(), re.M))):
+        link = dest / f
+        text = link.read_text()
+        link.unlink()
+        link.write_text(text)
+    p = subprocess.run(["patch", "-p1", "-s", "-i", str(diff)], cwd=dest,
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise AnchorError(f"mutant {m.name}: {m.base} does not apply: {p.stdout.strip()}")
 
 
 def run_one(m: Mutant, examples: int, seed: int, out: Path, work: Path) -> Row:
