@@ -567,11 +567,11 @@ class Checker:
         keep = []
         for blk, rec in self._early_copy_frees:
             c, step = rec
-            if step not in self.pending_ids:
-                continue  # processed: the copy ran
-            if step == now:
+            if step == now:  # its own step, being scheduled
                 keep.append((blk, rec))
                 continue
+            if step not in self.pending_ids:
+                continue  # processed: the copy ran
             self._v(1, f"block {blk} returned to the pool (copy of block {c.src} into block "
                        f"{c.dst} for {c.rid}, group {c.group}) while step {step}, which runs "
                        f"the copy, is unprocessed, and step {now} is scheduled meanwhile "
@@ -593,8 +593,9 @@ class Checker:
         self.refs[f.block] = n
         if n == 0:
             self._owned -= 1
-        rec = next((r for r in self._copies if r[0].rid == f.rid and r[0].group == f.group
-                    and f.block in (r[0].src, r[0].dst)), None)
+        # the latest copy of rid's that names the block
+        rec = next((r for r in reversed(self._copies) if r[0].rid == f.rid
+                    and r[0].group == f.group and f.block in (r[0].src, r[0].dst)), None)
         if rec is not None:
             c, step = rec
             running = step is None or step in self.pending_ids
@@ -602,9 +603,6 @@ class Checker:
                 # in the pool before the copy ran: a connector loading into it
                 # for a step scheduled before that one is processed races the copy
                 self._early_copy_frees.append((f.block, rec))
-            if self.copy_held.get((f.rid, f.group, c.src), 0) + \
-                    self.copy_held.get((f.rid, f.group, c.dst), 0) == 0:
-                self._copies.remove(rec)
         if n == 0 and self.cfg.hazard == "unordered":
             self._check_returned(f)
 
@@ -699,9 +697,15 @@ class Checker:
                             return
 
     def _step(self, s: StepObs) -> None:
-        for rec in self._copies:  # the copies queued since the last step run with this one
-            if rec[1] is None:
-                rec[1] = s.step
+        if self._copies:
+            held = self.copy_held
+            for rec in self._copies:  # the copies queued since the last step run with this one
+                if rec[1] is None:
+                    rec[1] = s.step
+            # forget the copies whose blocks are all returned (their step is known now)
+            self._copies = [r for r in self._copies
+                            if held.get((r[0].rid, r[0].group, r[0].src))
+                            or held.get((r[0].rid, r[0].group, r[0].dst))]
         if self._early_copy_frees:
             self._check_early_copy_frees(s.step)
         if s.copies:

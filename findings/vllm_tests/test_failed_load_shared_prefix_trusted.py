@@ -164,8 +164,6 @@ def make_scheduler(cfg: dict, tmp: Path) -> tuple[Any, Any]:
                         enable_prefix_caching=cfg["prefix_caching"])
     if "mamba" in kinds:
         cache.mamba_cache_mode = "align"
-    if cfg.get("prefix_match_unit"):
-        cache.prefix_match_unit = cfg["prefix_match_unit"]
     parallel = ParallelConfig(pipeline_parallel_size=pp)
     kw: dict[str, Any] = {}
     if cfg["spec_tokens"] and cfg.get("drafter", "ngram") == "eagle":
@@ -346,17 +344,6 @@ class Replay:
                         for off in range(self.B):
                             self.content.pop((b, off), None)
             self.tables[part.rid] = [list(t) for t in part.tables]
-        # the worker's block copies (copy-on-write of a hit inside a block) run
-        # before the forward, all at once: every source is read before any write
-        copies = [(c.src_block_id, c.dst_block_id)
-                  for c in getattr(out, "kv_cache_block_copies", None) or ()]
-        moved = {(dst, off): self.content.get((src, off))
-                 for src, dst in copies for off in range(self.B)}
-        for slot, held in moved.items():
-            if held is None:
-                self.content.pop(slot, None)
-            else:
-                self.content[slot] = held
         # every write of the step lands before any read (each layer writes, then attends)
         for part in parts.values():
             for g, tab in enumerate(part.tables):
