@@ -31,7 +31,10 @@ ROWS = [pytest.param(m, id=m.name, marks=[pytest.mark.vllm] if m.subject == "vll
 def test_every_subject_has_a_control_and_mutants_of_every_outcome():
     for subject in ("vllm", "reference"):
         rows = [m for m in mutants.MUTANTS if m.subject == subject]
-        assert sum(not m.file for m in rows) == 1, f"{subject}: one control row"
+        # one control per tree: the release, and each fixed tree rows edit
+        assert sum(not m.file and not m.base for m in rows) == 1, f"{subject}: one control row"
+        for base in {m.base for m in rows if m.base}:
+            assert sum(not m.file and m.base == base for m in rows) == 1, (subject, base)
         assert sum(m.outcome == "killed" for m in rows) >= 7, subject
     assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS)
 
