@@ -374,11 +374,12 @@ def _validate_spec(spec, a) -> None:
         raise UsageError(f"--group-block-sizes {spec.block_sizes}: several groups only "
                          f"(--kind hybrid), got --kind {spec.kind}")
     if spec.match_unit != "block" and (spec.kind != "hybrid" or spec.prefix_caching is False
+                                       or spec.drafter != "ngram"
                                        or spec.block_sizes != "uniform"
                                        or (spec.block_size or 4) < 4):
         raise UsageError(f"--prefix-match-unit {spec.match_unit}: --kind hybrid (full beside "
-                         "Mamba) with prefix caching, uniform group block sizes and a block "
-                         "size of 4 or more")
+                         "Mamba) with prefix caching, n-gram drafts, uniform group block sizes "
+                         "and a block size of 4 or more")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
         raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):
