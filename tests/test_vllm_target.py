@@ -622,3 +622,26 @@ def test_cross_attention_configs_vllm_does_not_build_are_refused():
     with pytest.raises(Unsupported, match="max_num_batched_tokens"):
         t.reset(config_for("cross", block_size=16, depth=2, max_num_batched_tokens=64,
                            max_model_len=128, num_blocks=40))
+
+
+def test_overlay_tree_replaces_a_stale_tree(tmp_path, monkeypatch):
+    """A fix's tree links the release's real files (not a path through the
+    checkout that built it), and a tree whose links lead into a folder that is
+    gone is built again rather than run."""
+    from impl.vllm import compat, overlay
+
+    diff = tmp_path / "fix.diff"
+    diff.write_text("--- a/vllm/v1/core/block_pool.py\n+++ b/vllm/v1/core/block_pool.py\n"
+                    "@@ -1,0 +1,1 @@\n+# a fix\n")
+    monkeypatch.setattr(compat, "REPO", tmp_path)
+    digest = overlay.hashlib.sha256(diff.read_text().encode()).hexdigest()[:12]
+    stale = tmp_path / ".vllm" / "trees" / f"{FIXED}-fix-{digest}" / "vllm"
+    stale.mkdir(parents=True)
+    (stale / "__init__.py").symlink_to(tmp_path / "gone" / "__init__.py")
+    tree = overlay.overlay_tree(FIXED, diff)
+    assert tree == stale.parent and (tree / "vllm" / "__init__.py").is_file()
+    link = (tree / "vllm" / "__init__.py").readlink()
+    assert link.is_absolute() and link == link.resolve()
+    patched = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    assert not patched.is_symlink() and "\n# a fix\n" in patched.read_text()
+    assert [p.name for p in tree.parent.iterdir()] == [tree.name]  # the stale copy is gone

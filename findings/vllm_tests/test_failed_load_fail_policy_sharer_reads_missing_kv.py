@@ -5,9 +5,9 @@ Shows on vllm@0.33.0: property 2 (null-read): step 2 (scheduled) computes r1 pos
 [25, 26); position 25 reads [23, 25] (sliding(W=3)) but block 3 (logical 2) holds no
 valid KV for positions [23, 24): a connector load into it failed and nothing computed
 them again
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Passes with findings/fixes/failed-load-fails-downstream-holders.diff applied.
 
-Config: sliding(W=3) B=8 blocks=8 depth=3 spec=0 policy=settled hazard=unordered prefix-
+Config: sliding(W=3) B=8 blocks=8 depth=2 spec=0 policy=settled hazard=unordered prefix-
 caching load-failure=fail
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs
 vLLM (0.33 line) and pytest only. Run: pytest THIS_FILE
@@ -539,7 +539,7 @@ CONFIG = {'groups': [{'kind': 'sliding', 'param': 3}],
  'max_num_seqs': 4,
  'max_model_len': 64,
  'spec_tokens': 0,
- 'depth': 3,
+ 'depth': 2,
  'policy': 'settled',
  'hazard': 'unordered',
  'prefix_caching': True,
@@ -552,8 +552,7 @@ EVENTS = [('add', 'r0',
   [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045, 6964,
    14883, 22802, 30721, 6640, 14559, 22478, 30397, 6316, 14235, 22154, 30073],
   2, 0),
- ('schedule',), ('schedule',), ('schedule',), ('fail_load', 'r0', 0), ('process', {}),
- ('schedule',)]
+ ('schedule',), ('schedule',), ('fail_load', 'r0', 0), ('process', {}), ('schedule',)]
 
 
 def test_failed_load_fail_policy_sharer_reads_missing_kv(tmp_path):

@@ -4,6 +4,7 @@ scheduler.
 Shows on vllm@0.33.0+findings/fixes/failed-load-recovery.diff: property 2 (null-read):
 the output of step 0 for r1 counts, but the step read block 1 (logical 0, positions [0,
 16)), which a failed connector load left without KV
+Passes with findings/fixes/failed-load-recovery-preempted-sharers.diff applied.
 
 Config: rswa(R=1) B=16 blocks=12 depth=2 spec=1 policy=settled hazard=unordered prefix-
 caching

@@ -40,7 +40,9 @@ def overlay_tree(release: str, diff: Path) -> Path:
     if not files or any(not f.startswith("vllm/") or ".." in f for f in files):
         raise Unsupported(f"{diff}: not a unified diff of files under vllm/ "
                           f"(+++ b/vllm/... lines)")
-    base = compat.install_dir(release)
+    # the links name the release's real folder, not a path through this
+    # checkout (a tree outlives the checkout that built it)
+    base = compat.install_dir(release).resolve()
     if not (base / "vllm" / "__init__.py").is_file():
         raise Unsupported(f"vllm {release} is not installed; run: "
                           f"{compat.install_command(release)}")
@@ -71,6 +73,12 @@ def overlay_tree(release: str, diff: Path) -> Path:
         leftover.unlink()
     try:
         tmp.rename(dest)
-    except OSError:  # another process built it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:  # another process built it meanwhile, or a stale tree is there
+        if (dest / "vllm" / "__init__.py").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # its links lead into a folder that is gone: replace it
+            stale = dest.with_name(dest.name + f".stale{os.getpid()}")
+            dest.rename(stale)
+            tmp.rename(dest)
+            shutil.rmtree(stale, ignore_errors=True)
     return dest
