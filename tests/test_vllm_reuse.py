@@ -2,13 +2,14 @@
 
 The vLLM driver (impl/vllm/driver.py) builds a ``VllmConfig`` once per config
 shape, a ``ModelConfig`` once per length (each build a copy of it), and plans
-the KV-cache layout once per config; each example still gets a new
-``Scheduler``. Here, in a worker that imported vLLM 0.33.0, one driver first
-runs other configs of the same shape (other pool sizes, another budget) and
-the trace's own config, so that its next build of that config comes from its
-caches; a new ``Driver()`` builds the same config from nothing. Both then run
-the trace: the scheduler's state after the build, every observation, and the
-state at the end must be equal (a refusal or a crash the same line).
+the KV-cache layout once per config (the last two shared by the drivers of a
+process); each example still gets a new ``Scheduler``. Here, in a worker that
+imported vLLM 0.33.0, one driver first runs the trace's own config, one of
+another shape and one of the same shape with another pool, so that its next
+build of the trace's config comes from its caches; a new ``Driver()``, with
+the shared caches emptied, builds the same config from nothing. Both then
+run the trace: the scheduler's state after the build, every observation, and
+the state at the end must be equal (a refusal or a crash the same line).
 """
 
 from __future__ import annotations
@@ -104,8 +105,14 @@ def compare_job(paths: list[str]) -> dict[str, object]:
                 pass
         plans, configs = len(warm._plans), dict(warm._vllm_configs)
         reused, reused_state = _run(warm, trace)
+        # a fresh driver, with nothing cached in the process either
+        cached_plans, cached_models = dict(warm._plans), dict(warm._model_configs)
+        warm._plans.clear()
+        warm._model_configs.clear()
         fresh_driver = Driver()
         fresh, fresh_state = _run(fresh_driver, trace)
+        warm._plans.update(cached_plans)
+        warm._model_configs.update(cached_models)
         cached = (len(warm._plans) == plans and warm.sched is not None
                   and any(warm.sched.vllm_config is v for v in configs.values()))
         diff = None

@@ -167,8 +167,10 @@ class Driver:
         self.sched: Any = None
         self._depth_modes: dict[int, tuple[type, bool, int]] = {}
         self._vllm_configs: dict[tuple, Any] = {}
-        self._model_configs: dict[int, Any] = {}  # max_model_len -> never handed out
-        self._plans: dict[tuple, Any] = {}  # (config, id of its VllmConfig) -> _plan's result
+        # shared by the drivers of this process (one vLLM per process): what
+        # they hand out are copies
+        self._model_configs = _MODEL_CONFIGS
+        self._plans = _PLANS
         self._whisper_dirs: dict[int, Path] = {}
 
     def warm_up(self) -> None:
@@ -430,9 +432,11 @@ class Driver:
         config (the layer specs, the pool size, the VllmConfig built for the
         config's shape), so a config planned before gets a copy of the same
         KVCacheConfig (its refusal: the same line), and ``vc`` gets the two
-        fields the planner sets on it. ``tests/test_vllm_reuse.py`` compares a
-        scheduler built this way to one of a fresh driver over a trace."""
-        key = (cfg, id(vc))
+        fields the planner sets on it. The plans are shared by the drivers of
+        the process (``vc`` is one built for ``cfg``'s shape, equal to any other
+        such). ``tests/test_vllm_reuse.py`` compares a scheduler built this way
+        to one of a fresh driver over a trace."""
+        key = cfg
         hit = self._plans.get(key)
         if hit is None:
             try:
@@ -465,7 +469,6 @@ class Driver:
                                         f"{_one_line(e)}") from None
             if len(self._vllm_configs) > 256:
                 self._vllm_configs.clear()
-                self._plans.clear()  # keyed by the VllmConfigs' ids
             self._vllm_configs[key] = vc
         if vc.max_concurrent_batches != cfg.depth:
             raise ConfigUnsupported(
@@ -1099,6 +1102,8 @@ class Driver:
         self.leaving = keep
 
 
+_MODEL_CONFIGS: dict[int, Any] = {}  # max_model_len -> a ModelConfig never handed out
+_PLANS: dict[Config, Any] = {}  # config -> Driver._plan's result (or its refusal)
 _block_id = attrgetter("block_id")
 _BROKEN = (TypeError, AttributeError, NameError)  # bugs, where a refusal is a ValueError
 
