@@ -747,6 +747,7 @@ def section_fuzz_rate(st: Settings, targets: Targets, clock: Clock) -> dict[str,
         pc, onec = stats(cpu_rates["pipe1"]), stats(cpu_rates["beside1"])
         rows.append({"target": spec, "status": "ok", "reason": "",
                      "pipe_examples_per_cpu_s": pc, "examples_per_cpu_s": onec,
+                     "many_examples_per_cpu_s": stats(cpu_rates[f"beside{many}"]),
                      "speedup_over_pipe_cpu": None if not pc else onec["median"] / pc["median"],
                      "examples_per_s": one, "pipe_examples_per_s": p,
                      "workers": many, "many_examples_per_s": nn,
@@ -1494,6 +1495,7 @@ def render_markdown(d: dict[str, Any]) -> str:
                  f"beside, {many} workers", f"{many} workers / 1",
                  "per CPU s: pipe", "per CPU s: beside", "× pipe, CPU", "notes"], body)
     L.append("")
+    L += render_side_by_side(sc, fr)
 
     # 2
     td = d["time_to_detect"]
@@ -1610,6 +1612,52 @@ def render_markdown(d: dict[str, Any]) -> str:
     L.append("")
     L += render_length(d["length"])
     return "\n".join(L)
+
+
+# issue 12's baseline: fuzz examples/s on vLLM (one core of two) before runs moved
+# beside the target; asked: at least 3x that with one worker
+ISSUE12_BASELINE = (29.0, 59.0)
+
+
+def render_side_by_side(sc: dict[str, Any], fr: dict[str, Any]) -> list[str]:
+    """One table of this run's speed figures per target: the in-process
+    checked/raw ratio and examples/s for 1 and N workers, with what issue 12
+    asks of vllm@0.33.0."""
+    many = fr.get("workers", 2)
+    ceil = {r["target"]: r.get("in_process") or {} for r in sc["rows"]}
+    L = ["### Side by side (this run)", "",
+         "Per target: checked/raw of the in-process ceiling in CPU time, fuzz examples per "
+         f"CPU second (this process and its workers) with 1 and {many} workers, and examples "
+         f"per wall second with 1 and {many} workers (on a loaded machine only the CPU-time "
+         "figures compare across runs).", ""]
+    body, rates = [], {}
+    for r in fr["rows"]:
+        ip = ceil.get(r["target"], {})
+        ratio = fstat(ip["checked_over_raw_cpu"]) if ip.get("status") == "ok" else "—"
+        if r["status"] != "ok":
+            body.append([r["target"], ratio, "—", "—", "—", "—", "—", why(r)])
+            continue
+        rates[r["target"]] = r
+        body.append([r["target"], ratio, fstat(r.get("examples_per_cpu_s")),
+                     fstat(r.get("many_examples_per_cpu_s")), fstat(r.get("examples_per_s")),
+                     fstat(r.get("many_examples_per_s")), fmt(r.get("scaling")), ""])
+    L += _table(["target", "checked/raw in-process, CPU", "examples/CPU s, 1 worker",
+                 f"examples/CPU s, {many} workers", "examples/s, 1 worker",
+                 f"examples/s, {many} workers", f"{many} / 1 (wall)", "notes"], body)
+    L.append("")
+    v = rates.get("vllm@0.33.0")
+    one = (v or {}).get("examples_per_cpu_s") or {}
+    if one.get("median"):
+        lo, hi = ISSUE12_BASELINE
+        x = one["median"]
+        verdict = ("met" if x >= 3 * hi else "met against its low end only" if x >= 3 * lo
+                   else "not met")
+        L.append(f"Issue 12 (vllm@0.33.0, one worker, at least 3x its baseline of "
+                 f"{lo:.0f}-{hi:.0f} examples/s): {fmt(x)} examples per CPU second, "
+                 f"{x / hi:.2f}-{x / lo:.2f}x the baseline: **{verdict}**; "
+                 f"{many} workers / 1 in wall time: {fmt(v.get('scaling'))}.")
+        L.append("")
+    return L
 
 
 def render_length(ln: dict[str, Any]) -> list[str]:

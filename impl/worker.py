@@ -136,6 +136,10 @@ def main() -> None:
 
     gc.collect()
     gc.freeze()  # what the setup imported (vLLM, torch) stays out of every later collection
+    # a fuzz run allocates many short-lived objects (Hypothesis's choices and
+    # spans, observations): collect the young generation every 20,000
+    # allocations, not 700 (a vLLM fuzz run's collector CPU time 9% -> 6%)
+    gc.set_threshold(20_000, 20, 20)
     send(out, ("ready", info))
     while True:
         try:

@@ -22,6 +22,7 @@ the same setting, and by no other.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -71,6 +72,30 @@ ACCOUNTING = (3, 4)  # the properties checked as invariants of the state
 # target refuses is rejected; refusals are counted in RunStats.refused and
 # printed, and a run that reaches nothing is caught as vacuous).
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+
+
+def _sampled(elements: Any) -> st.SearchStrategy:
+    """``st.sampled_from(list(elements))``, built once per tuple of elements:
+    Hypothesis builds a sampled_from (its label over every element) anew at
+    every call. The strategy is the one of a list, as the rules always drew
+    (a tuple of strings would get a label from its hash, which varies per
+    process), so its draws and labels are those of a fresh one."""
+    key = tuple(elements)
+    strat = _SAMPLED.get(key)
+    if strat is None:
+        if len(_SAMPLED) > 4096:
+            _SAMPLED.clear()
+        strat = _SAMPLED[key] = st.sampled_from(list(key))
+    return strat
+
+
+_SAMPLED: dict[tuple, st.SearchStrategy] = {}
+_ints = functools.lru_cache(maxsize=4096)(st.integers)  # the strategy Hypothesis caches itself
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_or(lo: int, hi: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.just(0), st.integers(lo, hi))
 
 
 class StopRun(KeyboardInterrupt):
@@ -142,25 +167,25 @@ class RunStats:
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
     @st.composite
     def build(draw: Any) -> Config:
-        B = spec.block_size or draw(st.sampled_from([16, 4, 8]))
+        B = spec.block_size or draw(_sampled((16, 4, 8)))
         # async (depth 2, vLLM's default) about half the time: the situations the
         # invariants are about need a step in flight, and PP depths stagger decodes
-        depth = spec.depth or draw(st.one_of(st.just(2), st.integers(1, 4)))
+        depth = spec.depth or draw(_DEPTHS)
         # an EAGLE drafter proposes at least one token; a multi-module MTP
         # drafter a multiple of its modules (model.events.MTP_MODULES)
         spec_tokens = spec.spec_tokens if spec.spec_tokens is not None else draw(
-            st.sampled_from([2, 4]) if spec.drafter == "mtp" else
-            st.integers(0 if spec.drafter == "ngram" else 1, 3))
+            _sampled((2, 4)) if spec.drafter == "mtp" else
+            _ints(0 if spec.drafter == "ngram" else 1, 3))
         if spec.match_unit == "fine" and spec.spec_tokens is None and spec.target != "reference":
             spec_tokens = 0  # hits inside a block are driven on vLLM without drafts
-        hazard = spec.hazard or draw(st.sampled_from(["ordered", "unordered"]))
+        hazard = spec.hazard or draw(_sampled(("ordered", "unordered")))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
         kind = KINDS.get(spec.kind)
-        window = draw(st.integers(1, (kind.fuzz_window_blocks if kind else 4) * B))
-        chunk = B * draw(st.integers(1, 4))
+        window = draw(_ints(1, (kind.fuzz_window_blocks if kind else 4) * B))
+        chunk = B * draw(_ints(1, 4))
 
         def param(k: type[Kind]) -> int:
-            return k.fuzz_param(window, chunk, B, lambda lo, hi: draw(st.integers(lo, hi)))
+            return k.fuzz_param(window, chunk, B, lambda lo, hi: draw(_ints(lo, hi)))
 
         # vLLM plans an EAGLE / MTP drafter's attention layer as a group of its
         # own beside a Mamba or hybrid model's groups (after the first
@@ -194,14 +219,14 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                 # the layout where vLLM enables hits inside a block: full
                 # attention and Mamba, hashed finer than their common block
                 mixes, prefix = [("mamba",)], True
-            local = draw(st.sampled_from(mixes))
+            local = draw(_sampled(mixes))
             groups = (Group("full"), *((Group("full", draft=True),) if drafted else ()),
                       *(Group(k, param(KINDS[k])) for k in local))
             if spec.block_sizes == "mixed":
                 groups = draw(_mixed_block_sizes(groups, B))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
-        budget = draw(st.integers(max(spec_tokens + 1, B), 8 * B))
+        budget = draw(_ints(max(spec_tokens + 1, B), 8 * B))
         # the longest request add_request draws (prompt 6B, outputs 2B or 5B)
         max_len = (11 if kind is not None and kind.long_outputs else 8) * B
         if spec.prefix_caching is None and not all(g.spec.prefix_cacheable for g in groups):
@@ -214,15 +239,19 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                      policy=spec.policy, hazard=hazard, prefix_caching=prefix,
                      drafter=spec.drafter if spec_tokens else "ngram",
                      kv_load_failure_policy=spec.load_failure,
-                     prefix_match_unit=(B // draw(st.sampled_from([2, 4]))
+                     prefix_match_unit=(B // draw(_sampled((2, 4)))
                                         if spec.match_unit == "fine" else 0))
         # pools an engine starts with (one request of max_model_len fits), small
         # ones half the time: pool pressure is where preemption, eviction of
         # cached blocks and their reuse happen
-        extra = draw(st.one_of(st.integers(0, 10), st.integers(0, 58)))
+        extra = draw(_EXTRA)
         return replace(cfg, num_blocks=startup_blocks(cfg) + extra)
 
     return build()
+
+
+_DEPTHS = st.one_of(st.just(2), st.integers(1, 4))
+_EXTRA = st.one_of(st.integers(0, 10), st.integers(0, 58))
 
 
 @st.composite
@@ -233,10 +262,10 @@ def _mixed_block_sizes(draw: Any, groups: tuple[Group, ...], B: int) -> tuple[Gr
     ``r`` times the block). Windows and chunks are drawn again at the group's
     size; Mamba takes the config's ``B``."""
     own = [i for i, g in enumerate(groups) if g.spec.own_block_size]
-    keep = draw(st.sampled_from(own))
+    keep = draw(_sampled(own))
     out = []
     for i, g in enumerate(groups):
-        r = 1 if i == keep or not g.spec.own_block_size else draw(st.sampled_from([1, 2, 4]))
+        r = 1 if i == keep or not g.spec.own_block_size else draw(_sampled((1, 2, 4)))
         out.append(_at_block_size(draw, g, r * B) if r > 1 else g)
     if all(not g.block_size for g in out):  # one group other than ``keep`` doubles
         i = next(j for j in own if j != keep)
@@ -246,9 +275,9 @@ def _mixed_block_sizes(draw: Any, groups: tuple[Group, ...], B: int) -> tuple[Gr
 
 def _at_block_size(draw: Any, g: Group, Bg: int) -> Group:
     """``g`` with ``Bg`` tokens per block, its parameter drawn again at that size."""
-    window = draw(st.integers(1, g.spec.fuzz_window_blocks * Bg))
-    chunk = Bg * draw(st.integers(1, 2))
-    param = type(g.spec).fuzz_param(window, chunk, Bg, lambda lo, hi: draw(st.integers(lo, hi)))
+    window = draw(_ints(1, g.spec.fuzz_window_blocks * Bg))
+    chunk = Bg * draw(_ints(1, 2))
+    param = type(g.spec).fuzz_param(window, chunk, Bg, lambda lo, hi: draw(_ints(lo, hi)))
     return Group(g.kind, param, Bg)
 
 
@@ -273,6 +302,12 @@ class KVMachine(RuleBasedStateMachine):
         self.violation: Violation | None = None  # the one this example failed with
         self.crashed = False  # the target crashed in this example
         self._accounting: Violation | None = None  # for the invariants to raise
+        # what the preconditions ask of the state (_live, _holding, _loading),
+        # computed once per state: it changes only where _changed() is called
+        self._memo: dict[str, Any] = {}
+
+    def _changed(self) -> None:
+        self._memo.clear()
 
     # ----------------------------------------------------------- plumbing
 
@@ -289,6 +324,7 @@ class KVMachine(RuleBasedStateMachine):
                 reject()
         if record:
             self.events.append(ev)
+        self._changed()
         try:
             obs = cls.target.apply(ev)
         except TargetCrash as e:
@@ -308,6 +344,7 @@ class KVMachine(RuleBasedStateMachine):
         if obs.counters is not None:
             self.counters = obs.counters
         violations = [v for v in self.checker.feed(ev, obs) if v.prop in self.spec.props]
+        self._changed()
         if self.twin is not None and 6 in self.spec.props:
             v6 = self.twin.check(ev, obs, self.checker, self.checker.event_index)
             if v6 is not None:
@@ -332,7 +369,11 @@ class KVMachine(RuleBasedStateMachine):
         return "finished" if rc is None else rc.status
 
     def _live(self) -> list[str]:
-        return [r for r in self.added if self._status(r) != "finished"]
+        """The added requests not finished (a list the caller keeps as it is)."""
+        live = self._memo.get("live")
+        if live is None:
+            live = self._memo["live"] = [r for r in self.added if self._status(r) != "finished"]
+        return live
 
     # --------------------------------------------------------- invariants
 
@@ -374,6 +415,7 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
         self.counters = obs.counters
+        self._changed()
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
         if self.twin is not None and self.twin.target is not None:
             cls.stats.expected.add("twin_compared")
@@ -386,26 +428,26 @@ class KVMachine(RuleBasedStateMachine):
     def add_request(self, data: st.DataObject) -> None:
         cfg = self.cfg
         B = cfg.block_size
-        prompt = data.draw(st.integers(1, 6 * B), label="prompt_len")
+        prompt = data.draw(_ints(1, 6 * B), label="prompt_len")
         # R-SWA's gap lies among the outputs: longer generations
         longer = any(g.spec.long_outputs for g in cfg.groups)
-        new = data.draw(st.integers(1, (5 if longer else 2) * B), label="max_new_tokens")
+        new = data.draw(_ints(1, (5 if longer else 2) * B), label="max_new_tokens")
         ext = 0
         if self.spec.external and not self.spec.aligned_loads and prompt > 1:
-            ext = data.draw(st.one_of(st.just(0), st.integers(1, prompt - 1)), label="external")
+            ext = data.draw(_zero_or(1, prompt - 1), label="external")
         elif self.spec.external and prompt > cfg.scheduler_block_size:
             # block-granular connectors (offloading, LMCache, ...) offer whole
             # blocks (of every group: the scheduler block size)
             S = cfg.scheduler_block_size
-            ext = S * data.draw(st.integers(0, (prompt - 1) // S), label="external_blocks")
+            ext = S * data.draw(_ints(0, (prompt - 1) // S), label="external_blocks")
         variant = 0
         if cfg.prefix_caching:
             # another prompt that shares every block past its one differing
             # token: a prefix hit must not hand it variant 0's KV
-            variant = data.draw(st.one_of(st.just(0), st.integers(1, MAX_VARIANT)),
-                                label="variant")
+            variant = data.draw(_zero_or(1, MAX_VARIANT), label="variant")
         rid = f"r{len(self.added)}"
         self.added.append(rid)
+        self._changed()
         self._apply(AddRequest(rid, prompt, new, ext, variant))
 
     @precondition(lambda self: self.cfg is not None
@@ -421,16 +463,18 @@ class KVMachine(RuleBasedStateMachine):
         accepted = {}
         for pp in self.checker.oldest_step():
             if pp.rs.spec and not pp.dead:
-                accepted[pp.rs.rid] = data.draw(st.integers(0, pp.rs.spec),
+                accepted[pp.rs.rid] = data.draw(_ints(0, pp.rs.spec),
                                                 label=f"accepted[{pp.rs.rid}]")
         self._apply(Process(accepted))
 
     def _holding(self) -> list[str]:
-        if self.counters is None:
-            return []
-        return [r for r in self._live()
-                if r in self.counters.reqs and self.counters.reqs[r].status == "running"
-                and sum(self.counters.reqs[r].live) > 0]
+        held = self._memo.get("holding")
+        if held is None:
+            reqs = {} if self.counters is None else self.counters.reqs
+            held = self._memo["holding"] = [
+                r for r in self._live()
+                if r in reqs and reqs[r].status == "running" and sum(reqs[r].live) > 0]
+        return held
 
     # vLLM's engine preempts inside schedule(), which it calls only while its
     # batch queue has room: never with depth steps in flight
@@ -438,10 +482,16 @@ class KVMachine(RuleBasedStateMachine):
                   and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        self._apply(Preempt(data.draw(st.sampled_from(self._holding()), label="id")))
+        self._apply(Preempt(data.draw(_sampled(self._holding()), label="id")))
 
     def _loading(self) -> list[tuple[str, int, int]]:
-        out = []
+        out = self._memo.get("loading")
+        if out is None:
+            out = self._memo["loading"] = self._find_loading()
+        return out
+
+    def _find_loading(self) -> list[tuple[str, int, int]]:
+        out: list[tuple[str, int, int]] = []
         if self.checker is None:
             return out
         for step in self.checker.pending:
@@ -460,8 +510,8 @@ class KVMachine(RuleBasedStateMachine):
                   and not self.cfg.mixed_block_sizes)
     @rule(data=st.data())
     def fail_load(self, data: st.DataObject) -> None:
-        rid, lo, hi = data.draw(st.sampled_from(self._loading()), label="load")
-        k = data.draw(st.integers(lo, hi), label="first_bad_block")
+        rid, lo, hi = data.draw(_sampled(self._loading()), label="load")
+        k = data.draw(_ints(lo, hi), label="first_bad_block")
         self._apply(FailLoad(rid, k))
 
     # Finish / Abort name a live request drawn from the live list, not a
@@ -473,7 +523,7 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self._live()))
     @rule(data=st.data(), abort=st.booleans())
     def finish(self, data: st.DataObject, abort: bool) -> None:
-        rid = data.draw(st.sampled_from(self._live()), label="id")
+        rid = data.draw(_sampled(self._live()), label="id")
         self._apply(Abort(rid) if abort else Finish(rid))
 
     def teardown(self) -> None:

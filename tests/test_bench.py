@@ -151,6 +151,7 @@ def test_markdown_matches_json(report):
     loaded = json.loads((out / "bench.json").read_text())
     assert md == bench.render_markdown(loaded)
     for heading in ("## 1. Step cost", "### Hypothesis examples per second",
+                    "### Side by side (this run)",
                     "## 2. Time to detect", "## 3. Proof cost", "## 4. Attention replay",
                     "## 5. Growth", "## 6. Where checked stepping spends its time",
                     "## 7. Cost against trace length"):
@@ -164,6 +165,22 @@ def test_markdown_matches_json(report):
     for r in loaded["growth"]["rows"]:
         if r["status"] == "ok":
             assert bench.fstat(r["checked_us_per_step"]) in md
+
+
+def test_side_by_side_judges_issue_12():
+    def rows(per_cpu):
+        sc = {"rows": [{"target": "vllm@0.33.0", "in_process": {
+            "status": "ok", "checked_over_raw_cpu": bench.stats([0.6])}}]}
+        fr = {"workers": 2, "rows": [{
+            "target": "vllm@0.33.0", "status": "ok", "reason": "",
+            "examples_per_cpu_s": bench.stats([per_cpu]),
+            "many_examples_per_cpu_s": bench.stats([per_cpu]),
+            "examples_per_s": bench.stats([per_cpu / 2]),
+            "many_examples_per_s": bench.stats([per_cpu]), "scaling": 1.9}]}
+        return "\n".join(bench.render_side_by_side(sc, fr))
+    assert "**met**" in rows(200.0) and "0.600 (1 run)" in rows(200.0)
+    assert "**met against its low end only**" in rows(100.0)
+    assert "**not met**" in rows(60.0) and "1.02-2.07x" in rows(60.0)
 
 
 def test_settings_cover_the_issue():

@@ -32,6 +32,7 @@ async + PP (Model Runner V2)      refused     refused     yes
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import subprocess
@@ -123,8 +124,21 @@ def tracks_in_flight(vllm_pkg: Path) -> bool:
 # ------------------------------------------------ worker-side adapters (vLLM)
 
 
-def _params(fn: Any) -> set[str]:
-    return set(inspect.signature(fn).parameters)
+def _params(fn: Any) -> frozenset[str]:
+    """The parameter names of ``fn`` (a bound method: of its function, self
+    left out), read once per function."""
+    func = getattr(fn, "__func__", None)
+    return _func_params(fn) if func is None else _bound_params(func)
+
+
+@functools.cache
+def _func_params(fn: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+@functools.cache
+def _bound_params(func: Any) -> frozenset[str]:
+    return frozenset(list(inspect.signature(func).parameters)[1:])
 
 
 def make_sampling_params(SamplingParams: type, max_tokens: int) -> Any:
@@ -172,7 +186,8 @@ def make_block_hasher(kv_cache_utils: Any, hashing: Any, algo: str, block_size: 
     return kv_cache_utils.get_request_block_hasher(block_size, fn)
 
 
-def _init_params(cls: type) -> set[str]:
+@functools.cache
+def _init_params(cls: type) -> frozenset[str]:
     """Named parameters of ``cls(...)``, looking through ``*args, **kwargs``
     pass-through constructors (AsyncScheduler) to the base that names them."""
     for klass in cls.__mro__:
@@ -180,8 +195,8 @@ def _init_params(cls: type) -> set[str]:
             ps = inspect.signature(klass.__init__).parameters.values()
             names = {p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
             if names - {"self"}:
-                return names
-    return set()
+                return frozenset(names)
+    return frozenset()
 
 
 def scheduler_kwargs(cls: type, block_size: int, hash_block_size: int) -> dict[str, Any]:
@@ -199,6 +214,14 @@ def scheduler_kwargs(cls: type, block_size: int, hash_block_size: int) -> dict[s
 # Bytes of device memory offered to vLLM's planner: far more than any pool the
 # checker asks for, so ``num_gpu_blocks_override`` alone decides the pool size.
 PLANNER_MEMORY = 1 << 40
+
+
+def planned_on(vllm_config: Any, num_blocks: int) -> None:
+    """What :func:`plan_kv_cache` sets on the VllmConfig it plans with (the
+    planner's own writes to it, the layout and saved overrides, are the same
+    for every plan of one VllmConfig)."""
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
 
 
 def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
@@ -228,8 +251,7 @@ def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
         from vllm.v1.core import kv_cache_planning as planning  # 0.33
     except ImportError:  # 0.25.1, 0.26.0: planning lives in kv_cache_utils
         planning = kv_cache_utils
-    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    planned_on(vllm_config, num_blocks)
     specs = [dict(layer_specs)]
     memory = [PLANNER_MEMORY]
     if hasattr(planning, "get_global_kv_cache_groups"):

@@ -30,6 +30,7 @@ instrumentation never guesses.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -166,6 +167,10 @@ class Driver:
         self.sched: Any = None
         self._depth_modes: dict[int, tuple[type, bool, int]] = {}
         self._vllm_configs: dict[tuple, Any] = {}
+        # shared by the drivers of this process (one vLLM per process): what
+        # they hand out are copies
+        self._model_configs = _MODEL_CONFIGS
+        self._plans = _PLANS
         self._whisper_dirs: dict[int, Path] = {}
 
     def warm_up(self) -> None:
@@ -214,8 +219,13 @@ class Driver:
         max_len = cfg.max_model_len if not probe else 512
         enc = None if probe else _encoder_len(cfg)
         if enc is None:
-            model = c["ModelConfig"](model=str(MODEL_DIR), skip_tokenizer_init=True,
-                                     max_model_len=max_len)
+            # a copy of a pristine ModelConfig of this length: the same object
+            # a fresh one is (vLLM's HF-config parsing and validation run once)
+            pristine = self._model_configs.get(max_len)
+            if pristine is None:
+                pristine = self._model_configs[max_len] = c["ModelConfig"](
+                    model=str(MODEL_DIR), skip_tokenizer_init=True, max_model_len=max_len)
+            model = copy.deepcopy(pristine)
         else:
             # the processor needs the tokenizer; blake3 (the default multimodal
             # hasher) is not installed and hashes nothing the scheduler reads
@@ -417,6 +427,31 @@ class Driver:
                 f"vllm {self.version} plans {kvc.num_blocks} blocks, not {cfg.num_blocks}")
         return kvc, block_size, hash_block_size
 
+    def _planned(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
+        """:meth:`_plan`, once per config: vLLM's planner is a function of the
+        config (the layer specs, the pool size, the VllmConfig built for the
+        config's shape), so a config planned before gets a copy of the same
+        KVCacheConfig (its refusal: the same line), and ``vc`` gets the two
+        fields the planner sets on it. The plans are shared by the drivers of
+        the process (``vc`` is one built for ``cfg``'s shape, equal to any other
+        such). ``tests/test_vllm_reuse.py`` compares a scheduler built this way
+        to one of a fresh driver over a trace."""
+        key = cfg
+        hit = self._plans.get(key)
+        if hit is None:
+            try:
+                hit = self._plan(vc, cfg)
+            except ConfigUnsupported as e:
+                hit = e
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            self._plans[key] = hit
+        if isinstance(hit, ConfigUnsupported):
+            raise ConfigUnsupported(str(hit)) from None
+        kvc, block_size, hash_block_size = hit
+        compat.planned_on(vc, cfg.num_blocks)
+        return copy.deepcopy(kvc), block_size, hash_block_size
+
     def reset(self, cfg: Config) -> Observed:
         if cfg.max_model_len > MODEL_MAX_LEN:
             raise ConfigUnsupported(f"max_model_len {cfg.max_model_len} > {MODEL_MAX_LEN}")
@@ -439,7 +474,7 @@ class Driver:
             raise ConfigUnsupported(
                 f"vllm {self.version} runs {vc.max_concurrent_batches} batch(es) in flight, "
                 f"not depth {cfg.depth}")
-        kvc, block_size, hash_block_size = self._plan(vc, cfg)
+        kvc, block_size, hash_block_size = self._planned(vc, cfg)
         vc.cache_config.num_gpu_blocks = kvc.num_blocks
         try:
             sched = cls(vllm_config=vc, kv_cache_config=kvc,
@@ -1067,6 +1102,8 @@ class Driver:
         self.leaving = keep
 
 
+_MODEL_CONFIGS: dict[int, Any] = {}  # max_model_len -> a ModelConfig never handed out
+_PLANS: dict[Config, Any] = {}  # config -> Driver._plan's result (or its refusal)
 _block_id = attrgetter("block_id")
 _BROKEN = (TypeError, AttributeError, NameError)  # bugs, where a refusal is a ValueError
 
