@@ -55,7 +55,7 @@ from model.events import (
     Trace,
 )
 from model.kinds import KINDS, Kind
-from model.observations import Observed
+from model.observations import LiveCounters, Observed
 from model.tokens import MAX_VARIANT
 from model.windows import startup_blocks
 from properties.invariants import Checker, Violation, expected_witnesses
@@ -254,7 +254,8 @@ class KVMachine(RuleBasedStateMachine):
         self.cfg: Config | None = None
         self.checker: Checker | None = None
         self.events: list[Event] = []
-        self.counters = None
+        self.counters = None  # the last event's (they list what it may have changed)
+        self.live_counters = LiveCounters()  # every live request's, folded
         self.added: list[str] = []
         self.drain = False
         self.twin: Twin | None = None
@@ -295,6 +296,7 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.events[type(ev).__name__] += 1
         if obs.counters is not None:
             self.counters = obs.counters
+            self.live_counters.update(obs.counters)
         violations = [v for v in self.checker.feed(ev, obs) if v.prop in self.spec.props]
         if self.twin is not None and 6 in self.spec.props:
             v6 = self.twin.check(ev, obs, self.checker, self.checker.event_index)
@@ -315,7 +317,7 @@ class KVMachine(RuleBasedStateMachine):
     def _status(self, rid: str) -> str:
         if self.counters is None:
             return "waiting"
-        rc = self.counters.reqs.get(rid)
+        rc = self.live_counters.get(rid)
         # every added request is in the counters until it has finished and left
         return "finished" if rc is None else rc.status
 
@@ -362,6 +364,8 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
         self.counters = obs.counters
+        self.live_counters = LiveCounters()
+        self.live_counters.update(obs.counters)
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
         if self.twin is not None and self.twin.target is not None:
             cls.stats.expected.add("twin_compared")
@@ -416,9 +420,9 @@ class KVMachine(RuleBasedStateMachine):
     def _holding(self) -> list[str]:
         if self.counters is None:
             return []
+        lc = self.live_counters
         return [r for r in self._live()
-                if r in self.counters.reqs and self.counters.reqs[r].status == "running"
-                and sum(self.counters.reqs[r].live) > 0]
+                if r in lc and lc[r].status == "running" and sum(lc[r].live) > 0]
 
     # vLLM's engine preempts inside schedule(), which it calls only while its
     # batch queue has room: never with depth steps in flight
