@@ -397,11 +397,12 @@ def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
         return save_counterexample(rr, alt, name, target, report)
 
 
-def _print_report(rr, out: Path, name: str, target: str) -> None:
-    """Write the counterexample's picture and pytest reproducer; print their paths."""
+def _print_report(rr, out: Path, name: str, target: str, grid=None) -> None:
+    """Write the counterexample's picture (from ``grid`` where drawn already)
+    and pytest reproducer; print their paths."""
     from report.report import write_report
 
-    _print_report_paths(write_report(rr, out, name, target))
+    _print_report_paths(write_report(rr, out, name, target, grid=grid))
 
 
 def _print_report_paths(rep) -> None:
@@ -472,12 +473,15 @@ def cmd_replay(a) -> int:
     from impl.target import make_target
 
     make_target(target)  # an unknown target or vLLM: one line, before a worker starts
-    rr = replay_beside(trace, target)
+    # replayed and drawn beside the target: only the timeline and the picture's
+    # grid come back, not a row per event
+    got = replay_beside(trace, target, job="report.report:replay_shown_job")
+    rr, timeline, grid = got if isinstance(got, tuple) else (got, None, None)
     print(f"target {target}")
     if trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
         print(f"checking only properties {', '.join(map(str, sorted(trace.meta['props'])))} "
               f"(the trace's meta.props)")
-    print(format_timeline(rr))
+    print(timeline if timeline is not None else format_timeline(rr))
     code = EXIT_OK
     if rr.crash:
         code = EXIT_TARGET
@@ -488,7 +492,7 @@ def cmd_replay(a) -> int:
             stem = Path(a.trace).stem + (f"-{a.policy}" if a.policy else "")
             if target != (trace.meta.get("target") or "reference"):
                 stem += "-on-" + target.replace("@", "-").replace("/", "_")
-            _print_report(rr, Path("counterexamples"), stem, target)
+            _print_report(rr, Path("counterexamples"), stem, target, grid)
     else:
         print(f"verdict: {rr.held()}")
     if a.attention:

@@ -886,7 +886,8 @@ def _file_names(stem: str) -> dict[str, str]:
 
 
 def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | None,
-                 trace: Trace, want: tuple[str, ...], reserve: tuple[str, ...]) -> ReportPaths:
+                 trace: Trace, want: tuple[str, ...], reserve: tuple[str, ...],
+                 grid: Grid | None = None) -> ReportPaths:
     """Write the files ``want`` (of ``json``, ``png``, ``py``) together under
     the first name ``NAME``, ``NAME-1``, ... for which none of the files
     ``reserve`` exists. Each is written to a temporary file in ``out`` first
@@ -904,7 +905,8 @@ def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | No
         if "png" in want:
             tmp = temps["png"] = _temp(out, ".png")
             try:
-                render_png(build_grid(res, target, PICTURE_EVENTS), tmp)
+                render_png(grid if grid is not None else build_grid(res, target, PICTURE_EVENTS),
+                           tmp)
             except Exception as e:  # noqa: BLE001 - a report must never hide the verdict
                 paths.errors.append(f"picture not written: {type(e).__name__}: {e}")
                 del temps["png"]
@@ -953,20 +955,38 @@ def save_counterexample(res: ReplayResult, out: str | Path, name: str,
 
 
 def write_report(res: ReplayResult, out: str | Path, name: str, target: str | None = None,
-                 png: bool = True, reproducer: bool = True) -> ReportPaths:
+                 png: bool = True, reproducer: bool = True,
+                 grid: Grid | None = None) -> ReportPaths:
     """``<out>/<name>.png`` and ``<out>/test_<name>.py`` for a replay, under
     ``name-1``, ... where either exists (never over a file). Errors drawing
-    or writing are collected, never raised: the trace is what matters."""
+    or writing are collected, never raised: the trace is what matters.
+    ``grid``: the picture's grid drawn already (:func:`replay_shown_job`)."""
     trace = with_violation(res.trace, res) if res.first is not None else res.trace
     want = tuple(k for k, on in (("png", png), ("py", reproducer)) if on)
     try:
-        return _write_group(res, out, name, target, trace, want, want)
+        return _write_group(res, out, name, target, trace, want, want, grid)
     except OSError as e:
         return ReportPaths(None, None, [f"report not written in {out}: {e}"])
 
 
+def replay_shown_job(trace: Trace, target: str, props: frozenset[int] | None = None
+                     ) -> tuple[ReplayResult, str, Grid | None]:
+    """A replay and what ``./kvcheck replay`` shows of it, made in the worker
+    beside the target: the timeline, and after a violation the picture's
+    grid. The result comes back without its rows (one per event, with every
+    observation: a long trace's rows would cost more to send than to replay)."""
+    from properties.replay import replay
+
+    res = replay(trace, target, props=props)
+    text = render_timeline(res)
+    grid = build_grid(res, target, PICTURE_EVENTS) if res.first is not None else None
+    res.rows = []
+    return res, text, grid
+
+
 __all__ = [
     "STATES", "Cell", "Grid", "Lane", "Mark", "ReadWindow", "ReportPaths", "RowInfo",
-    "build_grid", "render_png", "render_timeline", "reproducer_source", "save_counterexample",
+    "build_grid", "render_png", "render_timeline", "replay_shown_job", "reproducer_source",
+    "save_counterexample",
     "with_violation", "write_reproducer", "write_report",
 ]
