@@ -267,13 +267,13 @@ def cmd_fuzz(a) -> int:
               f"{len(missed)} where attention saw a bad read the checker did not")
     if verdict == "missed":
         trace, first_bad = res.attention[1][0]
-        path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
+        path = save_trace(trace, Path(a.out), f"attention-missed-{a.kind}.json")
         print(first_bad)
         print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
         _write_json(a.json, res.to_json(trace_path=str(path)))
         return EXIT_VIOLATION
     if verdict == "crashed":
-        path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
+        path = save_trace(res.trace, Path(a.out), f"crash-{a.kind}.json") if res.trace else None
         print("verdict: TARGET FAILED")
         print(res.crash)
         if path:
@@ -380,6 +380,20 @@ def _check_capabilities(target, spec) -> None:
     from impl.target import fit_spec
 
     fit_spec(target.name, target.capabilities, spec)
+
+
+def save_trace(trace, out: Path, filename: str) -> Path:
+    """``trace`` saved as ``out/filename`` (never over a file); where ``out``
+    cannot be written after all, in a new temporary folder, said in a line:
+    a result found is never lost to its output folder."""
+    import tempfile
+
+    try:
+        return trace.save(Path(out) / filename)
+    except OSError as e:
+        alt = Path(tempfile.mkdtemp(prefix="kvcheck-"))
+        print(f"cannot write in {out} ({e.strerror or e}); saving in {alt} instead")
+        return trace.save(alt / filename)
 
 
 def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
@@ -567,7 +581,7 @@ def cmd_prove(a) -> int:
     results = proof.prove_all(kinds=kinds, policies=policies)
     for r in results:
         if r.trace is not None:
-            path = r.trace.save(Path(a.out) / f"prove-{r.kind}-{r.policy}.json")
+            path = save_trace(r.trace, Path(a.out), f"prove-{r.kind}-{r.policy}.json")
             r.detail = (r.detail + f"; trace saved: {path}").strip("; ")
     print(proof.format_results(results))
     if not kinds and not policies:
