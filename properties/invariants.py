@@ -279,6 +279,7 @@ class Checker:
         self._last: dict[str, object] = {}
         self._busy: set[str] = set()
         self._touched: set[str] = set()
+        self._retired_now: set[str] = set()
         self._nheld: Counter[str] = Counter()  # rid -> its holder and detached entries
         self._ending: set[str] = set()  # ended, not yet retired
         self.refs: Counter[int] = Counter()  # block -> references held
@@ -342,6 +343,7 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
+        self._retired_now: set[str] = set()  # retired at this event (the report redraws them)
         if self._ending:  # requests that ended in earlier events (still shown after theirs)
             self._retire()
         self._scheduling = isinstance(event, Schedule)
@@ -397,6 +399,7 @@ class Checker:
             if rid in named or self._nheld[rid] or (req is not None and req.deferred):
                 continue
             self._ending.discard(rid)
+            self._retired_now.add(rid)
             self.reqs.pop(rid, None)
             self._nheld.pop(rid, None)
             self.prompt_len.pop(rid, None)
