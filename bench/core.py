@@ -152,10 +152,10 @@ class Settings:
     # pool that holds 8 (scripts/long_traces.py burst), replayed on the reference
     length_live: tuple[int, ...] = (1_000, 4_000, 20_000)
     # seconds: the whole run, and each section's share (unused time rolls over)
-    budget_s: float = 870.0
+    budget_s: float = 840.0
     section_s: tuple[tuple[str, float], ...] = (
         ("step_cost", 150.0), ("fuzz_rate", 50.0), ("profile", 30.0),
-        ("time_to_detect", 170.0), ("attention", 45.0), ("growth", 150.0), ("length", 90.0),
+        ("time_to_detect", 170.0), ("attention", 45.0), ("growth", 150.0), ("length", 60.0),
         ("proof", 185.0),
     )
 
