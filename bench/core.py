@@ -148,6 +148,9 @@ class Settings:
         ("reference", (100, 1_000, 10_000, 100_000)), ("vllm", (100, 1_000, 10_000)))
     length_window: int = 200  # steps timed at each point
     length_chunks: int = 4  # the window cut into chunks: median and spread over them
+    # and N requests live at once: N AddRequests, then the engine loop with a
+    # pool that holds 8 (scripts/long_traces.py burst), replayed on the reference
+    length_live: tuple[int, ...] = (1_000, 4_000, 20_000)
     # seconds: the whole run, and each section's share (unused time rolls over)
     budget_s: float = 840.0
     section_s: tuple[tuple[str, float], ...] = (
@@ -187,6 +190,7 @@ def quick_settings() -> Settings:
         profile_steps=(("reference", 500), ("vllm", 60)),
         length_points=(("reference", (100, 1_000, 10_000)), ("vllm", (100, 1_000))),
         length_window=100,
+        length_live=(500, 2_000),
         budget_s=145.0,
         section_s=(("step_cost", 50.0), ("fuzz_rate", 10.0), ("profile", 3.0),
                    ("time_to_detect", 35.0), ("attention", 5.0), ("growth", 22.0),
@@ -1330,6 +1334,46 @@ def _held_requests(target: Any) -> int | None:
     return None
 
 
+def _long_traces() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvcheck_long_traces",
+                                                  ROOT / "scripts" / "long_traces.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_live(points: tuple[int, ...], clock: Clock | None = None) -> list[dict[str, Any]]:
+    """Per point ``N``: ``N`` AddRequests before anything is scheduled, then the
+    engine loop with a pool that holds about 8 of them (every event sees up to
+    ``N`` requests live, most waiting), replayed and checked on the reference
+    (``properties.replay.replay``, in this process): CPU µs per event. Flat
+    rows mean an event costs what it touches, not what is live."""
+    from properties.replay import replay
+
+    lt = _long_traces()
+    rows = []
+    for n in points:
+        if clock is not None and clock.left() < 0:
+            rows.append(not_ok("skipped", "the section's time budget was spent", requests=n))
+            continue
+        trace = lt.burst(n)
+        gc.collect()
+        c0 = time.process_time()
+        w0 = time.perf_counter()
+        res = replay(trace, "reference")
+        cpu = time.process_time() - c0
+        wall = time.perf_counter() - w0
+        ev = len(trace.events)
+        rows.append({"requests": n, "status": "ok", "reason": "", "events": ev,
+                     "cpu_s": cpu, "wall_s": wall, "cpu_us_per_event": 1e6 * cpu / ev,
+                     "violations": len(res.violations)})
+        del res
+    return rows
+
+
 def section_length(st: Settings, targets: Targets, clock: Clock) -> dict[str, Any]:
     rows = []
     w = st.workload
@@ -1347,10 +1391,14 @@ def section_length(st: Settings, targets: Targets, clock: Clock) -> dict[str, An
             rows += [not_ok("failed", one_line(e), **base, step=p) for p in points]
             continue
         rows += [{**base, **r} for r in got]
+    try:
+        live = run_live(st.length_live, clock)
+    except Exception as e:  # noqa: BLE001
+        live = [not_ok("failed", one_line(e), requests=n) for n in st.length_live]
     return {"workload": (f"{w.describe()}; one stream per target, checked as it is made "
                          f"(every draft accepted); at each step count, "
                          f"{st.length_window} steps timed in {st.length_chunks} chunks"),
-            "rows": rows}
+            "rows": rows, "live": live}
 
 
 # ================================================================ rendering
@@ -1680,6 +1728,25 @@ def render_length(ln: dict[str, Any]) -> list[str]:
     L += _table(["target", "at step", "checked µs/step", "checked CPU µs/step",
                  "requests in the checker", "requests in the target", "notes"], body)
     L.append("")
+    live = ln.get("live") or []
+    if live:
+        L.append("Requests live at once (reference, `scripts/long_traces.py burst N`: N "
+                 "AddRequests, then the engine loop, a pool that holds 8 of them; replayed "
+                 "and checked whole). Flat rows mean an event costs what it touches, not "
+                 "what is live.")
+        L.append("")
+        body = []
+        for r in live:
+            head = [f"{r['requests']:,}"]
+            if r["status"] != "ok":
+                body.append(head + ["—", "—", "—", why(r)])
+                continue
+            note = f"{r['violations']} violation(s)" if r["violations"] else ""
+            body.append(head + [f"{r['events']:,}", fmt(r["cpu_s"]),
+                                fmt(r["cpu_us_per_event"]), note])
+        L += _table(["requests live", "events", "replay CPU s", "CPU µs/event", "notes"],
+                    body)
+        L.append("")
     return L
 
 

@@ -31,6 +31,7 @@ class Row:
 
 
 def _fuzz_rows(a) -> list[Row]:
+    from cli.main import save_trace
     from properties.machine import FuzzSpec, fuzz
 
     rows = []
@@ -45,7 +46,7 @@ def _fuzz_rows(a) -> list[Row]:
             rows.append(Row("fuzz", kind, "target failed", False, res.crash.splitlines()[0],
                             res.seconds))
         elif verdict == "violation":
-            path = res.trace.save(Path(a.out) / f"check-{kind}.json")
+            path = save_trace(res.trace, Path(a.out), f"check-{kind}.json")
             rows.append(Row("fuzz", kind, f"VIOLATION p{res.violation.prop}", False,
                             f"{res.violation.message[:90]}... ({path})", res.seconds))
         elif verdict == "vacuous":
@@ -78,6 +79,7 @@ def _power_rows(a) -> list[Row]:
 
 def _prove_rows(a) -> list[Row]:
     try:
+        from cli.main import save_trace
         from model.policy import EXPECTED_SAFE
         from prove import proof
     except ImportError as e:
@@ -91,7 +93,7 @@ def _prove_rows(a) -> list[Row]:
         verdict = r.status
         detail = r.covers if r.status == "proved" else r.detail
         if r.trace is not None:
-            path = r.trace.save(Path(a.out) / f"prove-{r.kind}-{r.policy}.json")
+            path = save_trace(r.trace, Path(a.out), f"prove-{r.kind}-{r.policy}.json")
             detail = f"trace {path}"
         rows.append(Row("prove", f"{r.kind} {r.policy}", verdict, expected_ok, detail[:100],
                         r.seconds))

@@ -272,13 +272,13 @@ def cmd_fuzz(a) -> int:
               f"{len(missed)} where attention saw a bad read the checker did not")
     if verdict == "missed":
         trace, first_bad = res.attention[1][0]
-        path = trace.save(Path(a.out) / f"attention-missed-{a.kind}.json")
+        path = save_trace(trace, Path(a.out), f"attention-missed-{a.kind}.json")
         print(first_bad)
         print(f"verdict: CHECKER MISSED A BAD READ (trace saved: {path})")
         _write_json(a.json, res.to_json(trace_path=str(path)))
         return EXIT_VIOLATION
     if verdict == "crashed":
-        path = res.trace.save(Path(a.out) / f"crash-{a.kind}.json") if res.trace else None
+        path = save_trace(res.trace, Path(a.out), f"crash-{a.kind}.json") if res.trace else None
         print("verdict: TARGET FAILED")
         print(res.crash)
         if path:
@@ -394,6 +394,20 @@ def _check_capabilities(target, spec) -> None:
     fit_spec(target.name, target.capabilities, spec)
 
 
+def save_trace(trace, out: Path, filename: str) -> Path:
+    """``trace`` saved as ``out/filename`` (never over a file); where ``out``
+    cannot be written after all, in a new temporary folder, said in a line:
+    a result found is never lost to its output folder."""
+    import tempfile
+
+    try:
+        return trace.save(Path(out) / filename)
+    except OSError as e:
+        alt = Path(tempfile.mkdtemp(prefix="kvcheck-"))
+        print(f"cannot write in {out} ({e.strerror or e}); saving in {alt} instead")
+        return trace.save(alt / filename)
+
+
 def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
     """The trace, picture and reproducer under one fresh name in ``out``; where
     ``out`` cannot be written after all, in a new temporary folder (printed)."""
@@ -409,11 +423,12 @@ def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
         return save_counterexample(rr, alt, name, target, report)
 
 
-def _print_report(rr, out: Path, name: str, target: str) -> None:
-    """Write the counterexample's picture and pytest reproducer; print their paths."""
+def _print_report(rr, out: Path, name: str, target: str, grid=None) -> None:
+    """Write the counterexample's picture (from ``grid`` where drawn already)
+    and pytest reproducer; print their paths."""
     from report.report import write_report
 
-    _print_report_paths(write_report(rr, out, name, target))
+    _print_report_paths(write_report(rr, out, name, target, grid=grid))
 
 
 def _print_report_paths(rep) -> None:
@@ -484,12 +499,15 @@ def cmd_replay(a) -> int:
     from impl.target import make_target
 
     make_target(target)  # an unknown target or vLLM: one line, before a worker starts
-    rr = replay_beside(trace, target)
+    # replayed and drawn beside the target: only the timeline and the picture's
+    # grid come back, not a row per event
+    got = replay_beside(trace, target, job="report.report:replay_shown_job")
+    rr, timeline, grid = got if isinstance(got, tuple) else (got, None, None)
     print(f"target {target}")
     if trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
         print(f"checking only properties {', '.join(map(str, sorted(trace.meta['props'])))} "
               f"(the trace's meta.props)")
-    print(format_timeline(rr))
+    print(timeline if timeline is not None else format_timeline(rr))
     code = EXIT_OK
     if rr.crash:
         code = EXIT_TARGET
@@ -500,7 +518,7 @@ def cmd_replay(a) -> int:
             stem = Path(a.trace).stem + (f"-{a.policy}" if a.policy else "")
             if target != (trace.meta.get("target") or "reference"):
                 stem += "-on-" + target.replace("@", "-").replace("/", "_")
-            _print_report(rr, Path("counterexamples"), stem, target)
+            _print_report(rr, Path("counterexamples"), stem, target, grid)
     else:
         print(f"verdict: {rr.held()}")
     if a.attention:
@@ -575,7 +593,7 @@ def cmd_prove(a) -> int:
     results = proof.prove_all(kinds=kinds, policies=policies)
     for r in results:
         if r.trace is not None:
-            path = r.trace.save(Path(a.out) / f"prove-{r.kind}-{r.policy}.json")
+            path = save_trace(r.trace, Path(a.out), f"prove-{r.kind}-{r.policy}.json")
             r.detail = (r.detail + f"; trace saved: {path}").strip("; ")
     print(proof.format_results(results))
     if not kinds and not policies:

@@ -132,10 +132,43 @@ class ReqCounters:
 class Counters:
     free_blocks: int  # blocks in the pool's free queue (cached-but-free included)
     total_blocks: int  # the pool, NULL block included
-    # every request not finished; a finished one until the event in which it
-    # holds no block any more (status "finished"), then it is no longer listed
+    # the requests whose counters the event may have changed (added, admitted,
+    # scheduled, processed, preempted, finished, or whose blocks moved); one not
+    # listed keeps the counters it was last listed with. A finished one is listed
+    # (status "finished") in the event it ended in, or, while blocks of its own
+    # still wait to leave it, until the event they do; then it is gone.
+    # ``LiveCounters`` folds them into every live request's counters.
     reqs: dict[str, ReqCounters] = field(default_factory=dict)
     bound: tuple[int, ...] = ()  # per group: the live-block bound the target sizes for
+
+
+class LiveCounters(dict[str, ReqCounters]):
+    """Every live request's counters, folded from the events' :class:`Counters`
+    (which list only what each event may have changed): after ``update(c)`` it
+    holds every request not finished, in the order they were first listed, and
+    those listed finished in ``c`` (dropped at the next update). Each update
+    costs what ``c`` lists, not what is live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._finished: list[str] = []
+
+    def update(self, c: Counters | None) -> None:  # type: ignore[override]
+        if c is None:
+            return
+        for rid in self._finished:
+            rc = self.get(rid)
+            if rc is not None and rc.status == "finished":
+                del self[rid]
+        self._finished = []
+        for rid, rc in c.reqs.items():
+            self[rid] = rc
+            if rc.status == "finished":
+                self._finished.append(rid)
+
+    def live(self) -> list[str]:
+        """The requests not finished, in the order they were first listed."""
+        return [rid for rid, rc in self.items() if rc.status != "finished"]
 
 
 @dataclass

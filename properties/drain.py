@@ -67,7 +67,7 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
     limit = drain_limit(cfg, reqs, rids)
     idle = 0  # empty schedules in a row with nothing in flight
     for _ in range(limit):
-        if not live():
+        if not checker.live_requests():
             checker.witness["drained"] += 1
             return None
         if checker.in_flight_steps() < cfg.depth:

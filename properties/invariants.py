@@ -35,7 +35,7 @@ Witnesses count how often a run reached the situations these are about.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
@@ -141,6 +141,7 @@ class _Pending:
 
 @dataclass
 class _Req:
+    order: int = 0  # when the checker first heard of it: the order requests are judged in
     p: int | None = None  # settled count; None until first scheduled
     ended: bool = False
     deferred: list[FreeObs] = field(default_factory=list)
@@ -149,6 +150,56 @@ class _Req:
     stopped: bool = False  # preempted / waiting since the last time it ran
     loaded: tuple[int, int] | None = None  # positions its last connector load covers
     chunk: tuple[int, int] | None = None  # its last scheduled step's positions, while running
+
+
+class _Reqs(dict[str, _Req]):
+    """rid -> :class:`_Req`, made on first use; each knows its place in the
+    order requests were first named (violations of one event are reported in
+    it, whichever requests the event touched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._n = 0
+
+    def __missing__(self, rid: str) -> _Req:
+        r = self[rid] = _Req(order=self._n)
+        self._n += 1
+        return r
+
+
+class _Holder(dict[tuple[str, int, int], int]):
+    """(rid, group, logical) -> block, with each request's keys at hand (in the
+    order they were set), so what a request holds is found without a scan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_rid: dict[str, dict[tuple[str, int, int], None]] = {}
+
+    def __setitem__(self, key: tuple[str, int, int], block: int) -> None:
+        if key not in self:
+            keys = self.by_rid.get(key[0])
+            if keys is None:
+                keys = self.by_rid[key[0]] = {}
+            keys[key] = None
+        super().__setitem__(key, block)
+
+    def __delitem__(self, key: tuple[str, int, int]) -> None:
+        super().__delitem__(key)
+        keys = self.by_rid[key[0]]
+        del keys[key]
+        if not keys:
+            del self.by_rid[key[0]]
+
+    def pop(self, key, *default):  # type: ignore[override]
+        if key not in self:
+            return super().pop(key, *default)
+        block = self[key]
+        del self[key]
+        return block
+
+    def of(self, rid: str) -> list[tuple[str, int, int]]:
+        """The keys ``rid`` holds, in the order they were set."""
+        return list(self.by_rid.get(rid, ()))
 
 
 def twin_config(cfg: Config) -> Config | None:
@@ -220,10 +271,22 @@ class Checker:
             else (False,) * len(self.Bs)
         self.pending: list[list[_Pending]] = []  # unprocessed steps, oldest first
         self.pending_ids: list[int] = []
+        # rid -> its parts of the unprocessed steps (dead ones too), oldest first
+        self._parts: dict[str, list[_Pending]] = {}
         # per request until it is retired (:meth:`_retire`: it ended, and no step
         # in flight, block, or deferred free names it any more)
-        self.reqs: dict[str, _Req] = defaultdict(_Req)
-        self.holder: dict[tuple[str, int, int], int] = {}  # (rid, group, logical) -> block
+        self.reqs: dict[str, _Req] = _Reqs()
+        self.holder: dict[tuple[str, int, int], int] = _Holder()  # (rid, group, logical) -> block
+        # The counters each live request was last listed with (an event lists
+        # only those it may have changed), those reporting tokens in flight,
+        # and the requests whose expected counts this event changed (a part
+        # scheduled, processed or marked dead, its settled count moved): the
+        # requests judged at an event are those listed and those touched, so
+        # an event costs what it touches, not what is live.
+        self._last: dict[str, object] = {}
+        self._busy: set[str] = set()
+        self._touched: set[str] = set()
+        self._retired_now: set[str] = set()
         self._nheld: Counter[str] = Counter()  # rid -> its holder and detached entries
         self._ending: set[str] = set()  # ended, not yet retired
         self.refs: Counter[int] = Counter()  # block -> references held
@@ -294,9 +357,11 @@ class Checker:
         """Check what one event produced; returns the new violations."""
         self.event_index += 1
         before = len(self.violations)
+        self._retired_now: set[str] = set()  # retired at this event (the report redraws them)
         if self._ending:  # requests that ended in earlier events (still shown after theirs)
             self._retire()
         self._scheduling = isinstance(event, Schedule)
+        self._touched = set()
         self._let_go: set[str] = set()  # requests that dropped a reference in this event
         if isinstance(event, AddRequest):
             self.prompt_len[event.id] = event.prompt_len
@@ -326,7 +391,7 @@ class Checker:
                 self.mark_dead(item.rid)
         if self._deferring:
             # in the requests' order (the order their violations are reported in)
-            for rid in [r for r in self.reqs if r in self._deferring]:
+            for rid in sorted(self._deferring, key=lambda r: self.reqs[r].order):
                 req = self.reqs[rid]
                 if not req.deferred:
                     self._deferring.discard(rid)
@@ -344,12 +409,13 @@ class Checker:
         unprocessed step (dead or not) has a part of theirs, they hold no slot
         and owe no deferred free. What blocks hold stays (``content``, keyed by
         block): a prefix hit of a later request reads it."""
-        named = {pp.rs.rid for step in self.pending for pp in step}
+        named = self._parts
         for rid in list(self._ending):
             req = self.reqs.get(rid)
             if rid in named or self._nheld[rid] or (req is not None and req.deferred):
                 continue
             self._ending.discard(rid)
+            self._retired_now.add(rid)
             self.reqs.pop(rid, None)
             self._nheld.pop(rid, None)
             self.prompt_len.pop(rid, None)
@@ -362,6 +428,10 @@ class Checker:
     def in_flight_steps(self) -> int:
         return len(self.pending)
 
+    def live_requests(self) -> int:
+        """How many requests the counters so far name and none has listed finished."""
+        return len(self._last)
+
     def oldest_step(self) -> list[_Pending]:
         return self.pending[0] if self.pending else []
 
@@ -371,21 +441,7 @@ class Checker:
         self.violations.append(Violation(prop, msg, event_index=self.event_index, **kw))
 
     def _live_pending(self, rid: str) -> list[_Pending]:
-        return [pp for step in self.pending for pp in step if pp.rs.rid == rid and not pp.dead]
-
-    def _live_map(self) -> dict[str, list[_Pending]]:
-        """``_live_pending`` for every request at once."""
-        out: dict[str, list[_Pending]] = {}
-        for step in self.pending:
-            for pp in step:
-                if not pp.dead:
-                    rid = pp.rs.rid
-                    lst = out.get(rid)
-                    if lst is None:
-                        out[rid] = [pp]
-                    else:
-                        lst.append(pp)
-        return out
+        return [pp for pp in self._parts.get(rid, ()) if not pp.dead]
 
     def _may_read(self, rid: str) -> list[tuple[_Pending, int, int]]:
         """Each unprocessed step of ``rid`` (dead ones too: their kernels still
@@ -393,13 +449,10 @@ class Checker:
         earlier steps' drafts taken at their worst."""
         out = []
         rollback = 0
-        for step in self.pending:
-            for pp in step:
-                if pp.rs.rid != rid:
-                    continue
-                out.append((pp, max(0, pp.reads_from - (0 if pp.dead else rollback)), pp.end))
-                if not pp.dead:
-                    rollback += pp.rs.spec
+        for pp in self._parts.get(rid, ()):
+            out.append((pp, max(0, pp.reads_from - (0 if pp.dead else rollback)), pp.end))
+            if not pp.dead:
+                rollback += pp.rs.spec
         return out
 
     def _readers(self, rid: str, group: int, logical: int, block: int):
@@ -717,11 +770,11 @@ class Checker:
                 self._write(rs.rid, rs.tables, rs.start - rs.loaded, rs.start, s.step)
             self._write(rs.rid, rs.tables, rs.start, rs.end, s.step)
         row = []
-        # nothing below changes self.pending or a part's dead flag
-        live_map = self._live_map()
+        # nothing below changes self.pending, self._parts or a part's dead flag
         for rs in s.reqs:
             req = self.reqs[rs.rid]
-            if rs.rid not in live_map:
+            self._touched.add(rs.rid)
+            if not self._live_pending(rs.rid):
                 req.p = rs.start - rs.loaded
                 for f in req.deferred:
                     self._check_window_free(f, req.p)
@@ -753,6 +806,13 @@ class Checker:
             row.append(pp)
         self.pending.append(row)
         self.pending_ids.append(s.step)
+        parts = self._parts
+        for pp in row:
+            lst = parts.get(pp.rs.rid)
+            if lst is None:
+                parts[pp.rs.rid] = [pp]
+            else:
+                lst.append(pp)
 
     def _check_bad(self, s: StepObs) -> None:
         """A step reads the positions below each request's start from the cache
@@ -962,6 +1022,14 @@ class Checker:
             return
         sid = self.pending_ids.pop(0)
         row = self.pending.pop(0)
+        parts = self._parts
+        for pp in row:  # the oldest parts of their requests
+            rid = pp.rs.rid
+            self._touched.add(rid)
+            lst = parts[rid]
+            del lst[next(i for i, q in enumerate(lst) if q is pp)]
+            if not lst:
+                del parts[rid]
         if sid != po.step:
             self._v(4, f"step {po.step} processed while step {sid} is the oldest in flight",
                     step=po.step)
@@ -1025,6 +1093,7 @@ class Checker:
                 self.fail_from.pop(rid, None)
                 self.witness["failed_load"] += 1
                 self.reqs[rid].p = k * self.B
+                self._touched.add(rid)
                 for later in self._live_pending(rid):
                     later.dead = True
         # A discarded output says nothing about later steps: a request that
@@ -1042,9 +1111,11 @@ class Checker:
             return {}
         lo = max(first_bad * self.B, req.loaded[0])
         out = {}
-        for (hr, group, lg), blk in self.holder.items():
+        for key in self.holder.of(rid):
+            _hr, group, lg = key
+            blk = self.holder[key]
             B = self.Bs[group]
-            if (hr == rid and blk != NULL and (lg + 1) * B > lo
+            if (blk != NULL and (lg + 1) * B > lo
                     and group not in self._held_groups):
                 out[blk] = self.bad[blk] = (max(lo, lg * B), (lg + 1) * B)
         return out
@@ -1072,7 +1143,7 @@ class Checker:
         blocks may reach the pool later (vLLM defers them behind the steps in
         flight). A later FreeObs is matched here, so a re-admitted request
         may take new blocks at the same slots meanwhile."""
-        kept = [k for k in self.holder if k[0] == rid]
+        kept = self.holder.of(rid)
         for key in kept:  # (still counted in _nheld: a detached entry owes its free)
             self.detached[(*key, self.holder.pop(key))] += 1
         if not (preempted and self._scheduling):
@@ -1086,6 +1157,7 @@ class Checker:
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
         self.reqs[rid].chunk = None
+        self._touched.add(rid)
         live = self._live_pending(rid)
         if preempted and live:
             self.witness["preempt_in_flight"] += 1
@@ -1109,33 +1181,51 @@ class Checker:
                    f"no reference, or a held block was freed?)")
             self._v(3, f"pool accounting: free {c.free_blocks} + owned {owned} + NULL 1 != total "
                        f"{c.total_blocks}: {why}")
-        # The requests not finished, in the target's order, in one tight pass:
-        # targets keep finished requests in their counters for good.
-        active = [(rid, rc) for rid, rc in c.reqs.items() if rc.status != "finished"]
+        # Fold what this event lists into the last counters of every live
+        # request; judge those listed and those whose expected counts this
+        # event changed, in the order requests were first named. A request
+        # neither listed nor touched reads as it did after the last event it
+        # was judged at.
+        last, busy, reqs = self._last, self._busy, self.reqs
+        judged = set()
+        for rid, rc in c.reqs.items():
+            if rc.status == "finished":
+                last.pop(rid, None)
+                busy.discard(rid)
+                continue
+            last[rid] = rc
+            if rc.in_flight:
+                busy.add(rid)
+            else:
+                busy.discard(rid)
+            judged.add(rid)
+        for rid in self._touched:
+            if rid in last:
+                judged.add(rid)
+        order = sorted(judged, key=lambda r: reqs[r].order) if len(judged) > 1 else judged
         if not self.pending:
-            if not active and c.free_blocks not in (c.total_blocks - 1,
-                                                    c.total_blocks - 1 - len(self.reserved)):
+            if not last and c.free_blocks not in (c.total_blocks - 1,
+                                                  c.total_blocks - 1 - len(self.reserved)):
                 n = c.total_blocks - 1 - c.free_blocks
                 self._v(3, f"leak: no request is live and nothing is in flight, yet only "
                            f"{c.free_blocks} of {c.total_blocks - 1} blocks are free: {n} "
                            f"block(s) never returned to the pool")
-            for rid, rc in active:
-                if rc.in_flight:
-                    self._v(4, f"{rid} reports {rc.in_flight} tokens in flight while no step "
-                               f"is in flight", rid=rid)
+            for rid in sorted(busy, key=lambda r: reqs[r].order):
+                self._v(4, f"{rid} reports {last[rid].in_flight} tokens in flight while no "
+                           f"step is in flight", rid=rid)
         bound = c.bound or self._bound_default
         nbound = len(bound)
-        live_map = None  # rid -> its live unprocessed parts, built once per call
-        for rid, rc in active:
+        for rid in order:
+            rc = last[rid]
             status = rc.status
+            req = reqs[rid]
             if status == "preempted" or status == "waiting":
-                req = self.reqs[rid]
                 if not req.stopped:
                     req.stopped = True
                     self.mark_dead(rid, preempted=True)
                     self._detach(rid, preempted=status == "preempted")
             else:
-                self.reqs[rid].stopped = False
+                req.stopped = False
             for gi, n in enumerate(rc.live):
                 if gi < nbound and n > bound[gi]:
                     self._v(5, f"{rid} holds {n} live blocks in group {gi} "
@@ -1143,11 +1233,7 @@ class Checker:
                             rid=rid)
             if status == "preempted" or status == "waiting":
                 continue
-            # mark_dead above touches only the parts of preempted / waiting
-            # requests, which are never looked up here
-            if live_map is None:
-                live_map = self._live_map()
-            live = live_map.get(rid, [])
+            live = self._live_pending(rid)
             exp_f = 0
             for pp in live:
                 exp_f += pp.rs.end - pp.rs.start
@@ -1155,14 +1241,12 @@ class Checker:
                 # f must cover every live in-flight token (less would free
                 # on a count ahead of the device) and count nothing that is
                 # not in flight; steps whose output will be dropped may count
-                all_f = sum(pp.rs.end - pp.rs.start for step in self.pending for pp in step
-                            if pp.rs.rid == rid)
+                all_f = sum(pp.rs.end - pp.rs.start for pp in self._parts.get(rid, ()))
                 if not exp_f <= rc.in_flight <= all_f:
                     self._v(4, f"{rid} reports {rc.in_flight} tokens in flight; its unprocessed "
                                f"steps hold {exp_f}" + (f" ({all_f} with discarded outputs)"
                                                         if all_f != exp_f else ""), rid=rid)
-            req = self.reqs.get(rid)
-            if req is not None and req.p is not None and live:
+            if req.p is not None and live:
                 loading = live[0].rs.loaded
                 exp_c = req.p + exp_f + loading
                 if rc.computed != exp_c:

@@ -158,13 +158,16 @@ class WorkerGone(TargetCrash):
         self.hung = hung
 
 
-def replay_beside(trace: Trace, target: str, props: frozenset[int] | None = None):
-    """:func:`properties.replay.replay` in a worker beside ``target``; a
-    worker that dies is a crash of the replay (its ``ReplayResult.crash``)."""
+def replay_beside(trace: Trace, target: str, props: frozenset[int] | None = None,
+                  job: str = "properties.jobs:replay_job"):
+    """:func:`properties.replay.replay` in a worker beside ``target`` (or
+    another ``job`` taking the same arguments and returning a ReplayResult,
+    or a tuple that starts with one); a worker that dies is a crash of the
+    replay (its ``ReplayResult.crash``)."""
     from properties.replay import ReplayResult
 
     try:
-        return _call(target, 0, "properties.jobs:replay_job", (trace, target, props))
+        return _call(target, 0, job, (trace, target, props))
     except WorkerGone as e:
         return ReplayResult(trace, [], [], {}, crash=str(e), props=props)
 

@@ -56,7 +56,7 @@ from model.events import (
     Trace,
 )
 from model.kinds import KINDS, Kind
-from model.observations import Observed
+from model.observations import LiveCounters, Observed
 from model.tokens import MAX_VARIANT
 from model.windows import startup_blocks
 from properties.invariants import Checker, Violation, expected_witnesses
@@ -295,7 +295,8 @@ class KVMachine(RuleBasedStateMachine):
         self.cfg: Config | None = None
         self.checker: Checker | None = None
         self.events: list[Event] = []
-        self.counters = None
+        self.counters = None  # the last event's (they list what it may have changed)
+        self.live_counters = LiveCounters()  # every live request's, folded
         self.added: list[str] = []
         self.drain = False
         self.twin: Twin | None = None
@@ -343,6 +344,7 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.events[type(ev).__name__] += 1
         if obs.counters is not None:
             self.counters = obs.counters
+            self.live_counters.update(obs.counters)
         violations = [v for v in self.checker.feed(ev, obs) if v.prop in self.spec.props]
         self._changed()
         if self.twin is not None and 6 in self.spec.props:
@@ -364,7 +366,7 @@ class KVMachine(RuleBasedStateMachine):
     def _status(self, rid: str) -> str:
         if self.counters is None:
             return "waiting"
-        rc = self.counters.reqs.get(rid)
+        rc = self.live_counters.get(rid)
         # every added request is in the counters until it has finished and left
         return "finished" if rc is None else rc.status
 
@@ -415,6 +417,8 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
         self.counters = obs.counters
+        self.live_counters = LiveCounters()
+        self.live_counters.update(obs.counters)
         self._changed()
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
         if self.twin is not None and self.twin.target is not None:
@@ -470,10 +474,13 @@ class KVMachine(RuleBasedStateMachine):
     def _holding(self) -> list[str]:
         held = self._memo.get("holding")
         if held is None:
-            reqs = {} if self.counters is None else self.counters.reqs
-            held = self._memo["holding"] = [
-                r for r in self._live()
-                if r in reqs and reqs[r].status == "running" and sum(reqs[r].live) > 0]
+            if self.counters is None:
+                held = []
+            else:
+                lc = self.live_counters
+                held = [r for r in self._live()
+                        if r in lc and lc[r].status == "running" and sum(lc[r].live) > 0]
+            self._memo["holding"] = held
         return held
 
     # vLLM's engine preempts inside schedule(), which it calls only while its

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from impl.target import Target, TargetCrash, make_target
 from model.events import AddRequest, Config, Drain, Event, Trace
-from model.observations import Observed
+from model.observations import LiveCounters, Observed
 from properties.drain import drain
 from properties.invariants import Checker, Violation
 from properties.twin import Twin
@@ -71,19 +71,19 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
     rows: list[Row] = []
     crash = None
     reqs: dict[str, AddRequest] = {}
+    counters = LiveCounters()  # every live request's counters, folded event by event
     last_counters = None
 
     def live() -> list[str]:
-        # the counters list every live request (a finished one leaves them), in
-        # the order the requests were added
-        c = last_counters.reqs if last_counters is not None else {}
-        return [r for r, rc in c.items() if rc.status != "finished" and r in reqs]
+        # the live requests, in the order they were first listed
+        return [r for r in counters.live() if r in reqs]
 
     def record(i: int, e: Event, o: Observed) -> bool:
         """Check what event ``e`` (of trace event ``i``) did; True: stop here."""
         nonlocal last_counters
         if o.counters is not None:
             last_counters = o.counters
+            counters.update(o.counters)
         vs = judged(e, o)
         if props is not None:
             vs = [v for v in vs if v.prop in props]

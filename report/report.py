@@ -39,6 +39,7 @@ import re
 import tempfile
 import textwrap
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from model.events import AddRequest, Config, Event, Schedule, Trace
@@ -134,8 +135,12 @@ class RowInfo:
     event: Event
     label: str
     step: int | None  # the step this event scheduled
+    # the requests this event may have changed (all of them in the first row
+    # drawn), in ``Grid.rids`` order; every other one of the first ``nrids``
+    # requests of ``Grid.rids`` reads as in the row before
     counts: dict[str, ReqCounts]
     notes: tuple[str, ...] = ()  # what happened: returns, outputs processed
+    nrids: int = 0  # how many of ``Grid.rids`` exist after this event
 
 
 @dataclass
@@ -154,11 +159,14 @@ class Grid:
     crash: str | None = None
     first_index: int = 0  # the trace index of the first event shown (rows before are not)
     first_row: int = 0  # the replay row (``ReplayResult.rows``) of grid row 0
+    rids: list[str] = field(default_factory=list)  # the requests drawn, in the order added
     _by_row: tuple[int, dict[int, list[ReadWindow]]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
     def cell(self, rid: str, group: int, row: int, logical: int) -> Cell:
-        rows = self.cells[(rid, group)]
+        rows = self.cells.get((rid, group))
+        if rows is None:  # a lane never drawn: nothing in it, no window over it
+            return Cell("none")
         line = rows[row]
         return line[logical] if logical < len(line) else Cell("none")
 
@@ -207,7 +215,11 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     become rows: the ones before are followed, not drawn, so a long trace
     costs time linear in its length and memory for the rows shown; requests
     that finished before the first row shown (and hold nothing) are
-    forgotten, not drawn."""
+    forgotten, not drawn. A row shown is worked out for the requests the
+    event may have changed (those it names, those the checker's view of
+    changed, those whose released block someone took or let go of); the
+    others carry their cells and counts over from the row before, so a row
+    costs what its event touches, not what is live."""
     cfg = res.trace.config
     first = 0
     if shown is not None:
@@ -229,6 +241,18 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
     rid_set: set[str] = set()
     nheld: dict[str, int] = {}  # rid -> slots it holds (in ``held``)
     ended: set[str] = set()  # finished in a row not drawn: forgotten once it holds nothing
+    lasts: dict[int, set[tuple[str, int, int]]] = {}  # block -> the slots ``last`` maps to it
+    rid_pos: dict[str, int] = {}  # rid -> its place in ``rids``
+    lanes_of: dict[str, list[Lane]] = {}
+    cur: dict[tuple[str, int], list[Cell]] = {}  # each lane's cells in the latest row drawn
+    prev_freed: set[str] = set()  # requests with a cell "freed" in the row before
+
+    def set_last(key: tuple[str, int, int], blk: int) -> None:
+        old = last.get(key)
+        if old is not None and old != blk:
+            lasts[old].discard(key)
+        last[key] = blk
+        lasts.setdefault(blk, set()).add(key)
 
     def forget() -> None:
         """Drop what is kept of the requests in ``ended`` that hold nothing."""
@@ -238,6 +262,8 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         ended.difference_update(gone)
         for d in (last, held):
             for key in [k for k in d if k[0] in gone]:
+                if d is last:
+                    lasts[d[key]].discard(key)
                 del d[key]
         nulled.difference_update([k for k in nulled if k[0] in gone])
         for blk in list(owners):
@@ -255,15 +281,22 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         lanes[:] = [ln for ln in lanes if ln.rid not in gone]
         rids[:] = [rid for rid in rids if rid not in gone]
         rid_set.difference_update(gone)
+        rid_pos.clear()
+        rid_pos.update((rid, i) for i, rid in enumerate(rids))
+        for rid in gone:
+            lanes_of.pop(rid, None)
 
     def lane_for(rid: str) -> None:
         if rid in rid_set:
             return
+        rid_pos[rid] = len(rids)
         rids.append(rid)
         rid_set.add(rid)
+        mine = lanes_of[rid] = []
         for gi, g in enumerate(cfg.groups):
-            lanes.append(Lane(rid, gi, f"{rid} · {g.label()}"))
+            mine.append(Lane(rid, gi, f"{rid} · {g.label()}"))
             widths[(rid, gi)] = 0
+        lanes.extend(mine)
 
     def grow(rid: str, gi: int, n: int) -> None:
         lane_for(rid)
@@ -296,7 +329,7 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                 if key not in held:
                     nheld[it.rid] = nheld.get(it.rid, 0) + 1
                 held[key] = it.block
-                last[key] = it.block
+                set_last(key, it.block)
                 nulled.discard(key)
                 owners.setdefault(it.block, set()).add(key)
             elif isinstance(it, CopyObs):
@@ -318,7 +351,7 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                     del held[key]
                     nheld[it.rid] -= 1
                 owners.get(it.block, set()).discard(key)
-                last[key] = it.block
+                set_last(key, it.block)
                 freed_now.add(key)
                 if it.reason == "window":
                     nulled.add(key)
@@ -369,35 +402,64 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                         notes.append(f"step {it.step}: {rs.rid} computes "
                                      f"[{rs.start}, {rs.end}){spec}{load}")
 
-        # the cells after this event
+        # the requests this event may have changed: those it names, those
+        # the checker's view of changed, those whose released block someone
+        # took or let go of, those with a cell freed in the row before (it
+        # reads released now); the first row drawn works out every request
+        if r == 0:
+            dirty = set(rids)
+        else:
+            dirty = set(checker._touched) | checker._retired_now | prev_freed
+            if isinstance(ev, AddRequest):
+                dirty.add(ev.id)
+            if row.obs.counters is not None:
+                dirty.update(row.obs.counters.reqs)
+            for it in row.obs.items:
+                if isinstance(it, (AllocObs, FreeObs)):
+                    dirty.add(it.rid)
+                    dirty.update(k[0] for k in lasts.get(it.block, ()))
+                elif isinstance(it, StepObs):
+                    dirty.update(rs.rid for rs in it.reqs)
+                elif isinstance(it, FinishObs):
+                    dirty.add(it.rid)
+                elif isinstance(it, ProcessObs):
+                    dirty.update(rid for rid, _ in it.accepted)
+                    dirty.update(it.discarded)
+                    dirty.update(rid for rid, _ in it.failed)
+        prev_freed = {k[0] for k in freed_now}
+
+        # the cells after this event (the lanes of the other requests keep theirs)
         snap: dict[tuple[str, int], list[Cell]] = {}
-        for lane in lanes:
-            cells = []
-            for lg in range(widths[(lane.rid, lane.group)]):
-                key = (lane.rid, lane.group, lg)
-                if key in held:
-                    cells.append(cell("live", held[key]))
-                elif key in freed_now:
-                    cells.append(cell("freed", last.get(key)))
-                elif key in last:
-                    b = last[key]
-                    others = [k for k in owners.get(b, ()) if k != key]
-                    if others:
-                        cells.append(cell("reused", b, others[0][0]))
+        for rid in dirty:
+            for lane in lanes_of.get(rid, ()):
+                cells = []
+                for lg in range(widths[(lane.rid, lane.group)]):
+                    key = (lane.rid, lane.group, lg)
+                    if key in held:
+                        cells.append(cell("live", held[key]))
+                    elif key in freed_now:
+                        cells.append(cell("freed", last.get(key)))
+                    elif key in last:
+                        b = last[key]
+                        others = [k for k in owners.get(b, ()) if k != key]
+                        if others:
+                            cells.append(cell("reused", b, others[0][0]))
+                        elif key in nulled:
+                            cells.append(cell("null", b))
+                        else:
+                            cells.append(cell("released", b))
                     elif key in nulled:
-                        cells.append(cell("null", b))
+                        cells.append(cell("null"))
                     else:
-                        cells.append(cell("released", b))
-                elif key in nulled:
-                    cells.append(cell("null"))
-                else:
-                    cells.append(cell("none"))
-            snap[(lane.rid, lane.group)] = cells
+                        cells.append(cell("none"))
+                snap[(lane.rid, lane.group)] = cells
+        cur.update(snap)
         per_row_cells.append(snap)
 
         # the unprocessed steps' windows after this event
         pend = {pp.rs.rid for st in checker.pending for pp in st}
-        for rid in [rid for rid in rids if rid in pend]:
+        dirty |= pend
+        for rid in sorted((rid for rid in pend if rid in rid_pos), key=rid_pos.__getitem__):
             for pp, lo, hi in checker._may_read(rid):
                 for gi, g in enumerate(cfg.groups):
                     rb = read_blocks(g, lo, hi, cfg.group_block_size(gi),
@@ -407,11 +469,16 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                                                   pp.dead))
                         grow(rid, gi, rb[-1] + 1)
 
-        # counts after this event
+        if row.violations and mark is None:
+            mark = _locate(row.violations[0], r, row.obs.items, checker, cfg)
+            if mark.rid is not None:
+                dirty.add(mark.rid)  # the timeline draws it in this row whatever changed
+
+        # counts after this event, of the requests it may have changed
         if row.obs.counters is not None:
             counters_seen.update(row.obs.counters.reqs)
         counts = {}
-        for rid in rids:
+        for rid in sorted((rid for rid in dirty if rid in rid_pos), key=rid_pos.__getitem__):
             rc = counters_seen.get(rid)
             shadow = sum(pp.end - pp.start for pp in checker._live_pending(rid))
             req = checker.reqs.get(rid)
@@ -423,22 +490,29 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
                 f_reported=f_rep,
                 status=rc.status if rc is not None else "waiting",
             )
-        rows.append(RowInfo(row.index, ev, _fmt_event(ev), step, counts, tuple(notes)))
-
-        if row.violations and mark is None:
-            mark = _locate(row.violations[0], r, row.obs.items, checker, cfg)
+        rows.append(RowInfo(row.index, ev, _fmt_event(ev), step, counts, tuple(notes),
+                            len(rids)))
 
     width = max(widths.values(), default=0)
-    cells = {k: [[*snap.get(k, []), *([Cell("none")] * (width - len(snap.get(k, []))))]
-                 for snap in per_row_cells] for k in widths}
+    # a lane is drawn if a window covers it or a cell of it is not empty (in
+    # some row it was worked out in: the others repeat one of those)
     used = {(w.rid, w.group) for w in windows}
-    used |= {k for k, rws in cells.items() if any(c.state != "none" for rw in rws for c in rw)}
+    used |= {k for snap in per_row_cells for k, rw in snap.items()
+             if k not in used and any(c.state != "none" for c in rw)}
     if mark is not None and mark.rid is not None:
         used.add((mark.rid, mark.group))
+    none = Cell("none")
+    cells = {}
+    for k in used:
+        rws, line = [], []
+        for snap in per_row_cells:
+            line = snap.get(k, line)
+            rws.append([*line, *([none] * (width - len(line)))])
+        cells[k] = rws
     lanes = [ln for ln in lanes if (ln.rid, ln.group) in used]
     return Grid(cfg, target or res.trace.meta.get("target", "reference"), lanes, rows, cells,
                 windows, mark, width, list(res.violations), res.crash,
-                res.rows[first].index if first < len(res.rows) else 0, first)
+                res.rows[first].index if first < len(res.rows) else 0, first, list(rids))
 
 
 def _cell_cache():
@@ -513,7 +587,8 @@ def _lane_lines(grid: Grid, cfg: Config, r: int, rid: str, width: int, lw: int) 
     bad = m is not None and m.row == r
     out = []
     for gi, g in enumerate(cfg.groups):
-        cells = grid.cells[(rid, gi)][r]
+        lane = grid.cells.get((rid, gi))
+        cells = lane[r] if lane is not None else []
         wins = grid.windows_at(r, rid, gi)
         marked = bad and m.rid == rid and m.group == gi
         if not wins and not marked and all(c.state in ("none", "released") for c in cells):
@@ -568,6 +643,7 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
     m = grid.mark
     done: set[str] = set()
     before: dict[str, tuple] = {}
+    rids = grid.rids
     for r, info in enumerate(grid.rows):
         bad = m is not None and m.row == r
         head = ">>" if bad else "  "
@@ -577,16 +653,19 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
         out.append(f"{head}  #{info.index:<3d} {info.label}{sched}")
         for note in info.notes:
             out.append(f"          {note}")
-        same = []
+        # the requests the event may have changed are drawn unless they read as
+        # before; every other one reads as before (RowInfo.counts)
+        was_done = len(done)
+        shown_now: set[str] = set()
         for rid, k in info.counts.items():
             if rid in done:
                 continue
             lines = _lane_lines(grid, cfg, r, rid, width, lw)
             state = (k, tuple(lines))
             if before.get(rid) == state and not (bad and m.rid == rid):
-                same.append(rid)
                 continue
             before[rid] = state
+            shown_now.add(rid)
             if k.status == "finished":
                 done.add(rid)
             f = f"{k.f}" if k.f_reported else f"{k.f}~"
@@ -594,8 +673,15 @@ def render_timeline(res: ReplayResult, cfg: Config | None = None, width: int = 2
             c = "-" if k.c is None else k.c
             out.append(f"          {rid:<4} {k.status:<9} p={p} f={f} c={c}")
             out.extend(lines)
-        if same:
-            more = len(same) - UNCHANGED_NAMED
+        n_same = info.nrids - was_done - len(shown_now)
+        if n_same > 0:
+            same = []  # the first few, in the order requests were added
+            for rid in islice(rids, info.nrids):
+                if len(same) == UNCHANGED_NAMED:
+                    break
+                if rid not in shown_now and rid not in done:
+                    same.append(rid)
+            more = n_same - UNCHANGED_NAMED
             names = ", ".join(same[:UNCHANGED_NAMED]) + (f" and {more} more" if more > 0 else "")
             out.append(f"          (unchanged: {names})")
         if bad:
@@ -906,7 +992,8 @@ def _file_names(stem: str) -> dict[str, str]:
 
 
 def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | None,
-                 trace: Trace, want: tuple[str, ...], reserve: tuple[str, ...]) -> ReportPaths:
+                 trace: Trace, want: tuple[str, ...], reserve: tuple[str, ...],
+                 grid: Grid | None = None) -> ReportPaths:
     """Write the files ``want`` (of ``json``, ``png``, ``py``) together under
     the first name ``NAME``, ``NAME-1``, ... for which none of the files
     ``reserve`` exists. Each is written to a temporary file in ``out`` first
@@ -924,7 +1011,8 @@ def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | No
         if "png" in want:
             tmp = temps["png"] = _temp(out, ".png")
             try:
-                render_png(build_grid(res, target, PICTURE_EVENTS), tmp)
+                render_png(grid if grid is not None else build_grid(res, target, PICTURE_EVENTS),
+                           tmp)
             except Exception as e:  # noqa: BLE001 - a report must never hide the verdict
                 paths.errors.append(f"picture not written: {type(e).__name__}: {e}")
                 del temps["png"]
@@ -973,20 +1061,38 @@ def save_counterexample(res: ReplayResult, out: str | Path, name: str,
 
 
 def write_report(res: ReplayResult, out: str | Path, name: str, target: str | None = None,
-                 png: bool = True, reproducer: bool = True) -> ReportPaths:
+                 png: bool = True, reproducer: bool = True,
+                 grid: Grid | None = None) -> ReportPaths:
     """``<out>/<name>.png`` and ``<out>/test_<name>.py`` for a replay, under
     ``name-1``, ... where either exists (never over a file). Errors drawing
-    or writing are collected, never raised: the trace is what matters."""
+    or writing are collected, never raised: the trace is what matters.
+    ``grid``: the picture's grid drawn already (:func:`replay_shown_job`)."""
     trace = with_violation(res.trace, res) if res.first is not None else res.trace
     want = tuple(k for k, on in (("png", png), ("py", reproducer)) if on)
     try:
-        return _write_group(res, out, name, target, trace, want, want)
+        return _write_group(res, out, name, target, trace, want, want, grid)
     except OSError as e:
         return ReportPaths(None, None, [f"report not written in {out}: {e}"])
 
 
+def replay_shown_job(trace: Trace, target: str, props: frozenset[int] | None = None
+                     ) -> tuple[ReplayResult, str, Grid | None]:
+    """A replay and what ``./kvcheck replay`` shows of it, made in the worker
+    beside the target: the timeline, and after a violation the picture's
+    grid. The result comes back without its rows (one per event, with every
+    observation: a long trace's rows would cost more to send than to replay)."""
+    from properties.replay import replay
+
+    res = replay(trace, target, props=props)
+    text = render_timeline(res)
+    grid = build_grid(res, target, PICTURE_EVENTS) if res.first is not None else None
+    res.rows = []
+    return res, text, grid
+
+
 __all__ = [
     "STATES", "Cell", "Grid", "Lane", "Mark", "ReadWindow", "ReportPaths", "RowInfo",
-    "build_grid", "render_png", "render_timeline", "reproducer_source", "save_counterexample",
+    "build_grid", "render_png", "render_timeline", "replay_shown_job", "reproducer_source",
+    "save_counterexample",
     "with_violation", "write_reproducer", "write_report",
 ]

@@ -7,14 +7,22 @@ Two shapes, written as trace JSON that ``./kvcheck replay`` takes:
               Schedule / Process as the engine steps (``depth`` in flight):
               requests that finish must leave the targets' and the checker's
               state, or each event costs more than the last;
-``pairs``     one request of one long decode, ``N`` Schedule / Process pairs.
+``pairs``     one request of one long decode, ``N`` Schedule / Process pairs;
+``burst``     ``N`` AddRequests before anything is scheduled, then the engine
+              loop until every request has finished, the pool holding only
+              ``concurrency`` of them at a time: every event sees thousands of
+              requests live (waiting), so its cost must follow what it
+              touches, not what is live.
 
-The events are generated without running a target (the scheduler of both
+The first two are generated without running a target (the scheduler of both
 targets makes the same choices on these shapes: the budget covers every
-prompt, so each live request is scheduled at every step)::
+prompt, so each live request is scheduled at every step); ``burst`` runs the
+reference target (no checker) as the engine would, Schedule while the batch
+queue has room and the last one scheduled something, else Process::
 
     .venv/bin/python scripts/long_traces.py requests 20000 /tmp/r20k.json
     .venv/bin/python scripts/long_traces.py pairs 100000 /tmp/p100k.json
+    .venv/bin/python scripts/long_traces.py burst 20000 /tmp/b20k.json
     /usr/bin/time -v ./kvcheck replay /tmp/r20k.json
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,14 +126,48 @@ def pair_stream(n: int, *, kind: str = "sliding", depth: int = 1) -> Trace:
     return Trace(cfg, events, {"generator": f"scripts/long_traces.py pairs {n}"})
 
 
+def burst(n: int, *, concurrency: int = 8, prompt_len: int = 40, max_new: int = 6,
+          depth: int = 2, kind: str = "sliding", prefix_caching: bool = False) -> Trace:
+    """``n`` AddRequests in a row, then the engine loop until all have finished.
+    The pool holds about ``concurrency`` requests (``max_num_seqs`` allows
+    more), so the rest wait: admission stops at the first that does not fit."""
+    from impl.reference.target import ReferenceTarget
+
+    B = 16
+    cfg = _config(kind, concurrency, prompt_len, max_new, depth, prefix_caching, B,
+                  max_num_seqs=4 * concurrency)
+    cfg = replace(cfg, num_blocks=concurrency * (_cdiv(prompt_len + max_new, B) + 2) + 1)
+    events: list[Event] = [AddRequest(f"r{i}", prompt_len, max_new, 0) for i in range(n)]
+    t = ReferenceTarget()
+    t.reset(cfg)
+    for ev in events:
+        t.apply(ev)
+    s = t._s
+    assert s is not None
+    scheduled = True
+    while s.requests or s.steps:
+        if len(s.steps) < depth and (scheduled or not s.steps):
+            before = s.num_scheduled
+            t.apply(Schedule())
+            events.append(Schedule())
+            scheduled = s.num_scheduled > before
+            if not scheduled and not s.steps:
+                raise RuntimeError("the pool admits nothing: nothing in flight, nothing scheduled")
+            continue
+        t.apply(Process({}))
+        events.append(Process({}))
+        scheduled = True
+    return Trace(cfg, events, {"generator": f"scripts/long_traces.py burst {n}"})
+
+
 def _config(kind: str, concurrency: int, prompt_len: int, max_new: int, depth: int,
-            prefix_caching: bool, B: int) -> Config:
+            prefix_caching: bool, B: int, max_num_seqs: int | None = None) -> Config:
     per_req = _cdiv(prompt_len + max_new, B) + 2
     budget = max(concurrency * prompt_len, 64)
     kw = {"window": 16} if kind == "sliding" else {}
     return config_for(
         kind, block_size=B, num_blocks=concurrency * per_req + 2 * _cdiv(budget, B) + 16,
-        max_num_batched_tokens=budget, max_num_seqs=concurrency,
+        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or concurrency,
         max_model_len=prompt_len + max_new + B, depth=depth, prefix_caching=prefix_caching,
         **kw,
     )
@@ -132,7 +175,7 @@ def _config(kind: str, concurrency: int, prompt_len: int, max_new: int, depth: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shape", choices=("requests", "pairs"))
+    ap.add_argument("shape", choices=("requests", "pairs", "burst"))
     ap.add_argument("n", type=int)
     ap.add_argument("out", type=Path)
     ap.add_argument("--kind", default="sliding")
@@ -142,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.shape == "requests":
         t = request_stream(a.n, kind=a.kind, depth=a.depth or 2,
                            prefix_caching=a.prefix_caching)
+    elif a.shape == "burst":
+        t = burst(a.n, kind=a.kind, depth=a.depth or 2, prefix_caching=a.prefix_caching)
     else:
         t = pair_stream(a.n, kind=a.kind, depth=a.depth or 1)
     t.save(a.out)

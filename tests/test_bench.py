@@ -62,6 +62,7 @@ def tiny_settings():
         length_targets=("reference", MISSING),
         length_points=(("reference", (100, 200)), ("vllm", (100,))),
         length_window=40,
+        length_live=(100, 400),
         budget_s=300.0,
     )
 
@@ -141,6 +142,10 @@ def test_reference_rows_measured(report):
     for r in length:  # finished requests left: the checker and the target hold the live ones
         assert r["finished"] > 0 and r["checker_requests"] <= 2 * bench.Workload().concurrency
         assert r["target_requests"] <= 2 * bench.Workload().concurrency
+    live = data["length"]["live"]  # requests live at once: every burst replayed, all hold
+    assert [r["requests"] for r in live] == [100, 400]
+    assert all(r["status"] == "ok" and not r["violations"] and r["events"] > r["requests"]
+               for r in live), live
     prof = {r["target"]: r for r in data["profile"]["rows"]}["reference"]
     assert len(prof["top"]) == 3 and abs(sum(prof["layers"].values()) - 1) < 1e-6
 
@@ -154,7 +159,7 @@ def test_markdown_matches_json(report):
                     "### Side by side (this run)",
                     "## 2. Time to detect", "## 3. Proof cost", "## 4. Attention replay",
                     "## 5. Growth", "## 6. Where checked stepping spends its time",
-                    "## 7. Cost against trace length"):
+                    "## 7. Cost against trace length", "Requests live at once"):
         assert heading in md, heading
     for sec, row in _rows(loaded):
         if row["status"] != "ok":

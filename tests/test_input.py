@@ -257,6 +257,12 @@ BAD_TRACES = {
                                                     "first_bad_block": 10**30}),
     "id of 10,000 characters": _with(["events", 0, "id"], "r" * 10_000),
     "spec_tokens 10**6": base_trace(spec_tokens=10**6),
+    # meta.props narrows what a replay checks: never silently (base_trace violates p1)
+    "meta.props a string": _with(["meta"], {"props": "abc"}),
+    "meta.props of strings": _with(["meta"], {"props": ["1"]}),
+    "meta.props past 7": _with(["meta"], {"props": [9]}),
+    "meta.props an int": _with(["meta"], {"props": 5}),
+    "meta.props nested": _with(["meta"], {"props": [[1]]}),
 }
 
 
@@ -313,6 +319,29 @@ def test_a_bad_flag_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, frag
 def test_replay_policy_empty_is_exit_2(tmp_path, capsys):
     p = _write(tmp_path, base_trace())
     assert "unknown policy ''" in one_line_error(*cli(capsys, "replay", str(p), "--policy", ""))
+
+
+def test_replay_target_empty_is_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = _write(tmp_path, base_trace())
+    assert "--target ''" in one_line_error(*cli(capsys, "replay", str(p), "--target", ""))
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_a_trace_found_is_saved_elsewhere_when_out_fails_after_the_run(tmp_path, capsys):
+    """An --out checked before the run that cannot take the result after it (a
+    file took its place): the trace goes to a new temporary folder, said in a
+    line, and the file in the way is untouched."""
+    from cli.main import save_trace
+
+    out = tmp_path / "out"
+    out.write_bytes(b"not a folder")
+    trace = Trace.from_json(base_trace())
+    path = save_trace(trace, out, "crash-sliding.json")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"cannot write in {out}") and str(path.parent) in line
+    assert path.parent != out and Trace.load(path).events == trace.events
+    assert out.read_bytes() == b"not a folder"
 
 
 @pytest.mark.parametrize("name", ["KVCHECK_VLLM_START_TIMEOUT", "KVCHECK_HANG_TIMEOUT"])

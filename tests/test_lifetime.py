@@ -13,11 +13,12 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from impl.reference.target import ReferenceTarget
 from model.events import AddRequest, Finish, Process, Schedule, Trace, config_for
-from model.observations import AllocObs, FinishObs, FreeObs, Observed
+from model.observations import AllocObs, FinishObs, FreeObs, Observed, ProcessObs
 from properties.invariants import Checker
 from properties.replay import replay
 from report.report import build_grid, render_timeline
@@ -250,3 +251,58 @@ def test_vllm_driver_holds_only_live_requests(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["ended"] == 300 and got["reqs"] == 0, got
     assert got["most"] <= 2 * CONC and got["listed"] <= 2 * CONC, got
+
+
+# ------------------------------------------------------- many requests live at once
+
+
+def test_a_burst_lists_what_each_event_touches_not_what_is_live():
+    """2,000 AddRequests before anything runs, a pool that holds 8: each
+    event's counters list the requests it may have changed (the running ones
+    and those it added, preempted or finished), never the 2,000 waiting; the
+    checker still knows every live request's counters."""
+    trace = long_traces.burst(2000)
+    cfg = trace.config
+    most_listed = most_live = 0
+    for _ev, obs, t, ch in _run(trace):
+        most_listed = max(most_listed, len(obs.counters.reqs))
+        most_live = max(most_live, ch.live_requests())
+        assert len(obs.counters.reqs) <= cfg.max_num_seqs + 1
+        running = [r for r in t._s.running]
+        assert all(r.rid in obs.counters.reqs for r in running) or isinstance(_ev, AddRequest)
+    assert most_live == 2000 and most_listed <= cfg.max_num_seqs + 1, (most_live, most_listed)
+    res = replay(trace, "reference")
+    assert res.first is None and sum(isinstance(it, FinishObs) for row in res.rows
+                                     for it in row.obs.items) == 2000
+
+
+class _StaleCounters(ReferenceTarget):
+    """The reference, except that after the first output of request ``victim``
+    is processed it is left out of the counters of every later event: the
+    checker's last counters of it say tokens are in flight that no step holds."""
+
+    def __init__(self, victim: str):
+        super().__init__()
+        self.victim = victim
+        self.hide = False
+
+    def apply(self, ev):
+        obs = super().apply(ev)
+        if self.hide:
+            reqs = {r: c for r, c in obs.counters.reqs.items() if r != self.victim}
+            return Observed(obs.items, replace(obs.counters, reqs=reqs))
+        self.hide = isinstance(ev, Process) and any(
+            isinstance(it, ProcessObs) and any(r == self.victim for r, _ in it.accepted)
+            for it in obs.items)
+        return obs
+
+
+def test_a_request_left_out_of_the_counters_is_judged_by_what_it_last_reported():
+    """Property 4 over a request the counters stop listing: every event that
+    changes what the checker expects of it (its next step scheduled and
+    processed) judges it by the counters it last reported, so the stale
+    in-flight count is caught, with 1,000 requests waiting behind it."""
+    trace = long_traces.burst(1000)
+    res = replay(trace, _StaleCounters("r0"))
+    v = res.first
+    assert v is not None and v.prop == 4 and v.rid == "r0", v

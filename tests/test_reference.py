@@ -33,7 +33,15 @@ from model.events import (
     TraceError,
     config_for,
 )
-from model.observations import NULL, AllocObs, FinishObs, FreeObs, ProcessObs, StepObs
+from model.observations import (
+    NULL,
+    AllocObs,
+    FinishObs,
+    FreeObs,
+    LiveCounters,
+    ProcessObs,
+    StepObs,
+)
 from model.streams import Driver
 from model.windows import read_blocks, skipped
 
@@ -214,7 +222,7 @@ class Checker:
         self.B = cfg.block_size
         self.steps: dict[int, list] = {}  # unprocessed step -> [[ReqStep, shift], ...]
         self.refs: Counter = Counter()  # block -> references handed out, not dropped
-        self.counters = None
+        self.live = LiveCounters()  # every live request's counters, before this event
 
     def lowest_shift(self, rid, step):
         """How much further ``rid``'s share of ``step`` may still shift down: the
@@ -233,7 +241,7 @@ class Checker:
     def check(self, o, strict: bool) -> list[str]:
         bad: list[str] = []
         cfg, B = self.cfg, self.B
-        prev = self.counters
+        prev = self.live
         for i in o.items:
             if isinstance(i, AllocObs):
                 assert i.block != NULL
@@ -243,7 +251,7 @@ class Checker:
                 assert self.refs[i.block] >= 0, f"double free of block {i.block}"
                 g = cfg.groups[i.group]
                 if i.reason == "window":
-                    c = prev.reqs[i.rid]
+                    c = prev[i.rid]
                     loading = sum(e[0].loaded for es in self.steps.values() for e in es
                                   if e[0].rid == i.rid)
                     p = c.computed - c.in_flight - loading
@@ -268,7 +276,7 @@ class Checker:
                 # A window free after an output (a connector's finish path of
                 # a request that ended there) counts on the request's final
                 # counts (properties/invariants.py tracks them exactly).
-                prev = o.counters
+                prev = {**self.live, **o.counters.reqs}
                 drafts = {e[0].rid: e[0].spec for e in self.steps.pop(i.step)}
                 for rid, a in i.accepted:
                     rej = drafts[rid] - a
@@ -283,15 +291,15 @@ class Checker:
         c = o.counters
         owned = sum(1 for n in self.refs.values() if n > 0)
         assert c.free_blocks + owned + 1 == c.total_blocks, (c.free_blocks, owned)
-        for rid, rc in c.reqs.items():
+        self.live.update(c)
+        for rid, rc in self.live.items():
             assert rc.in_flight >= 0 and all(x >= 0 for x in rc.live)
             if strict:
                 for g, (n, bound) in enumerate(zip(rc.live, c.bound, strict=True)):
                     if n > bound:
                         bad.append(f"{rid} holds {n} blocks in group {g}, bound {bound}")
         if not self.steps:
-            assert all(rc.in_flight == 0 for rc in c.reqs.values())
-        self.counters = c
+            assert all(rc.in_flight == 0 for rc in self.live.values())
         if strict:
             assert not bad, bad
         return bad
@@ -302,7 +310,7 @@ def checked_run(seed: int, n_events: int, strict: bool, **over):
     cfg = random_config(rng, **over)
     d = driver(cfg, rng)
     ch = Checker(cfg)
-    ch.counters = d.obs[0][0].counters
+    ch.live.update(d.obs[0][0].counters)
     bad = []
     for _ in range(n_events):
         if d.step() is None:
@@ -322,7 +330,7 @@ def test_settled_reference_keeps_the_invariants():
             ch.check(o, strict=True)
         c = d.obs[0][-1].counters
         assert c.free_blocks == c.total_blocks - 1, f"seed {seed}: leak"
-        assert all(r.status == "finished" and not any(r.live) for r in c.reqs.values())
+        assert not ch.live.live() and all(not any(r.live) for r in ch.live.values())
 
 
 def test_hybrids_with_mamba_take_ngram_drafts():
@@ -361,7 +369,7 @@ def test_pool_accounting_after_every_event_and_no_leak():
         d = random_run(seed, 100)
         obs = d.obs[0]
         ch = Checker(d.cfg)
-        ch.counters = obs[0].counters
+        ch.live.update(obs[0].counters)
         for o in obs[1:]:
             ch.check(o, strict=False)
         n = len(obs)

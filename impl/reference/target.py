@@ -39,7 +39,6 @@ class ReferenceTarget:
 
     def __init__(self) -> None:
         self._s: Scheduler | None = None
-        self._reqs: dict[str, ReqCounters] = {}
 
     # -------------------------------------------------------------- protocol
 
@@ -52,7 +51,6 @@ class ReferenceTarget:
             raise Unsupported(f"{self.name}: drafts come from prompt lookup here; drafter "
                               f"{config.drafter} (hit drop, prefill lookahead) runs on vllm@")
         self._s = Scheduler(config)
-        self._reqs = {}
         return Observed([], self._counters())
 
     def can_apply(self, event: Event) -> bool:
@@ -82,7 +80,7 @@ class ReferenceTarget:
                 s.finish(event.id, why)
         items = list(s.sink)
         s.sink.clear()
-        counters = self._counters()
+        counters = self._counters(event)
         s.retire()
         return Observed(items, counters)
 
@@ -149,22 +147,22 @@ class ReferenceTarget:
 
     # --------------------------------------------------------------- counters
 
-    def _counters(self) -> Counters:
-        """Counters of every request not finished, and of those that finished
-        during this event (``docs/SEMANTICS.md``); a request leaves them after
-        the event it finished in. Only the requests an event can change are
-        rebuilt: the running ones, those that entered the waiting queue (added,
-        preempted) and those that finished (a waiting request changes only
-        when admitted, and then it runs)."""
+    def _counters(self, event: Event | None = None) -> Counters:
+        """Counters of the requests this event may have changed
+        (``docs/SEMANTICS.md``): the running ones (any event that runs the
+        scheduler, processes an output or ends a request may change them; an
+        AddRequest or a FailLoad, which only marks a load, does not), those
+        that entered the waiting queue (added, preempted), and those that
+        finished (listed once, then forgotten). A waiting request changes only
+        when admitted, and then it runs."""
         s = self._s
         assert s is not None
-        reqs = self._reqs
-        for group in (s.running, s.just_waiting, s.just_finished):
+        out: dict[str, ReqCounters] = {}
+        groups = (s.just_waiting, s.just_finished) if isinstance(event, (AddRequest, FailLoad)) \
+            else (s.running, s.just_waiting, s.just_finished)
+        for group in groups:
             for r in group:
-                reqs[r.rid] = s.req_counters(r)
-        out = dict(reqs)
-        for r in s.just_finished:
-            reqs.pop(r.rid, None)
+                out[r.rid] = s.req_counters(r)
         s.just_waiting.clear()
         s.just_finished.clear()
         return Counters(s.pool.num_free, s.cfg.num_blocks, out, s.bound)
