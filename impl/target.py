@@ -5,7 +5,8 @@ A target takes a config and events and reports observations
 property serves every target.
 
 ``make_target("reference")`` or ``make_target("vllm@0.33.0")`` /
-``make_target("vllm@/path/to/checkout")`` builds one.
+``make_target("vllm@/path/to/checkout")`` or ``make_target("sglang@0.5.23")``
+builds one.
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def make_target(spec: str) -> Target:
         from impl.vllm import VllmTarget
 
         return VllmTarget(spec[len("vllm@"):])
-    raise Unsupported(f"unknown target {spec!r} (use 'reference', 'vllm@VERSION' or 'vllm@PATH')")
+    if spec.startswith("sglang@"):
+        from impl.sglang.target import SglangTarget
+
+        return SglangTarget(spec[len("sglang@"):])
+    raise Unsupported(f"unknown target {spec!r} (use 'reference', 'vllm@VERSION', 'vllm@PATH' "
+                      f"or 'sglang@VERSION')")
 
 
 def worker_for(spec: str, slot: int = 0):
@@ -91,6 +97,10 @@ def worker_for(spec: str, slot: int = 0):
         from impl.vllm import worker_for as vllm_worker
 
         return vllm_worker(spec[len("vllm@"):], slot)
+    if spec.startswith("sglang@"):
+        from impl.sglang.target import worker_for as sglang_worker
+
+        return sglang_worker(spec[len("sglang@"):], slot)
     if spec != "reference":
         make_target(spec)  # raises Unsupported for a name no target has
     from impl.worker import plain_worker

@@ -1,0 +1,532 @@
+"""SGLang 0.5.23's scheduler-side objects driven by kvcheck's events.
+
+Runs where SGLang imports (:func:`import_sglang` puts ``.sglang/VERSION`` on
+``sys.path`` and installs the shims). SGLang's ``Scheduler`` needs a model
+worker, so :class:`Driver` plays its loop (``event_loop_overlap`` at depth 2,
+``event_loop_normal`` at depth 1) over SGLang's own objects: ``Req``,
+``ReqToTokenPool``, the KV pools and allocators, ``UnifiedRadixCache``,
+``PrefillAdder``, ``ScheduleBatch`` (``init_new``, ``prepare_for_extend``,
+``prepare_for_decode``, ``filter_batch``, ``merge_batch``,
+``check_decode_mem``, ``retract_decode``, ``release_req``),
+``checkpoint_kv_cache`` and ``release_kv_cache``. The module docstring of
+:mod:`impl.sglang.target` says how each event maps onto them.
+
+Blocks are SGLang's pages: ``B = page_size`` (page size 1: a block is a
+token slot). Physical block ``p`` is page ``p`` of the reported allocator
+(SGLang hands out pages ``1..N``; page 0 is its padding slot, kvcheck's
+NULL). Frees are read where the allocator really takes pages back
+(``TokenToKVPoolAllocator.free`` outside a free group,
+``PagedTokenToKVPoolAllocator._release_page_ids``), the reason from the call
+SGLang made (eviction inside ``prepare_for_*`` or a checkpoint: ``window``;
+``release_req``: ``preempt``; ``release_kv_cache`` at a finish: ``finish`` /
+``abort``). Tables are read off ``req_to_token`` (through
+``full_to_swa_index_mapping`` for the SWA pool) after each schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from typing import Any
+
+from model.events import AddRequest, Config, Event, Finish, Preempt, Process, Schedule
+from model.observations import (
+    NULL,
+    AllocObs,
+    Counters,
+    FinishObs,
+    FreeObs,
+    Observed,
+    ProcessObs,
+    ReqCounters,
+    ReqStep,
+    StepObs,
+)
+from model.tokens import prompt_token
+
+from . import compat
+
+# SGLang frees a request's out-of-window SWA slots every
+# SGLANG_SWA_EVICTION_INTERVAL tokens; kvcheck fuzzes every token
+EVICTION_INTERVAL = "1"
+SAMPLED = 7  # every sampled token (the reference's stream)
+
+
+class ConfigUnsupported(ValueError):
+    """A config this target does not drive (one line, exit 2)."""
+
+
+class EventRejected(ValueError):
+    """An event SGLang's loop cannot take now."""
+
+
+def import_sglang(version: str) -> None:
+    """Make ``import sglang`` load release ``version`` with kvcheck's shims."""
+    os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = EVICTION_INTERVAL
+    d = str(compat.install_dir(version))
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    from .shims import install
+
+    install()
+
+
+class Driver:
+    def __init__(self, version: str) -> None:
+        import_sglang(version)
+        import torch
+
+        self.torch = torch
+        self.cfg: Config | None = None
+
+    # ------------------------------------------------------------- reset
+
+    def reset(self, cfg: Config) -> Observed:
+        torch = self.torch
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        why = unsupported(cfg)
+        if why:
+            raise ConfigUnsupported(why)
+        self.cfg = cfg
+        B = cfg.block_size
+        g = cfg.groups[0]
+        self.kind = g.kind
+        set_global_server_args_for_scheduler(ServerArgs(
+            model_path="dummy", page_size=B, chunked_prefill_size=cfg.max_num_batched_tokens,
+            max_running_requests=cfg.max_num_seqs, disable_radix_cache=True))
+        size = (cfg.num_blocks - 1) * B  # tokens; page 0 is SGLang's padding slot
+        self.r2t = ReqToTokenPool(size=cfg.max_num_seqs + 1,
+                                  max_context_len=cfg.max_model_len + 2 * B + 1,
+                                  device="cpu", enable_memory_saver=False)
+        if g.kind == "sliding":
+            kv = SWAKVPool(size=size, size_swa=size, page_size=B, dtype=torch.float32,
+                           head_num=1, head_dim=4, swa_attention_layer_ids=[0],
+                           full_attention_layer_ids=[1], device="cpu")
+            self.alloc = SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=B,
+                                                   dtype=torch.float32, device="cpu",
+                                                   kvcache=kv, need_sort=False)
+            self.pool = self.alloc.swa_attn_allocator  # the one group kvcheck sees
+            comps: tuple = (ComponentType.FULL, ComponentType.SWA)
+            window = g.param
+        else:
+            kv = MHATokenToKVPool(size=size, page_size=B, dtype=torch.float32, head_num=1,
+                                  head_dim=4, layer_num=1, device="cpu",
+                                  enable_memory_saver=False)
+            if B == 1:
+                self.alloc = TokenToKVPoolAllocator(size, torch.float32, "cpu", kv, False)
+            else:
+                self.alloc = PagedTokenToKVPoolAllocator(size, B, torch.float32, "cpu", kv,
+                                                         False)
+            self.pool = self.alloc
+            comps = (ComponentType.FULL,)
+            window = None
+        self.cache = UnifiedRadixCache(params=CacheInitParams(
+            req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=B,
+            disable=True, sliding_window_size=window, tree_components=comps))
+        self._hook_frees()
+        import types
+
+        self.model_config = types.SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
+        self.overlap = cfg.depth == 2
+        self.ScheduleBatch = ScheduleBatch
+        self.running = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.waiting: list[Any] = []
+        self.chunked_req = None
+        self.pending_chunked_abort = None
+        self.last_batch = None
+        self.queue: list[tuple[int, Any, list[str]]] = []  # (step, batch copy, rids)
+        self.may_process = False  # the last Schedule found nothing (overlap loop)
+        self.reqs: dict[str, Any] = {}
+        self.status: dict[str, str] = {}
+        self.computed: dict[str, int] = {}
+        self.owner: dict[int, tuple[str, int]] = {}  # block -> (rid, logical)
+        self.tables: dict[str, list[int]] = {}
+        self.step_no = 0
+        self.items: list = []
+        self.reason = "window"
+        self.just_finished: list[str] = []
+        self.ended: set[str] = set()
+        return Observed([], self._counters())
+
+    def _hook_frees(self) -> None:
+        """Record each page the reported allocator takes back."""
+        pool = self.pool
+        B = self.cfg.block_size
+        if B == 1:
+            real = pool.free
+
+            def free(free_index, _real=real, _pool=pool):
+                if free_index.numel() and _pool.free_group is None:
+                    self._freed(free_index.tolist())
+                return _real(free_index)
+
+            pool.free = free
+        else:
+            real_release = pool._release_page_ids
+
+            def release(*page_ids, _real=real_release):
+                for ids in page_ids:
+                    self._freed(ids.tolist())
+                return _real(*page_ids)
+
+            pool._release_page_ids = release
+
+    def _freed(self, pages: list[int]) -> None:
+        for p in pages:
+            p = int(p)
+            if p == NULL:
+                continue
+            who = self.owner.pop(p, None)
+            if who is None:
+                raise AssertionError(f"SGLang freed page {p}, which no request holds")
+            rid, logical = who
+            t = self.tables.get(rid)
+            if t is not None and logical < len(t) and t[logical] == p:
+                t[logical] = NULL
+            self.items.append(FreeObs(p, 0, rid, logical, self.reason))
+
+    # ---------------------------------------------------------- tables
+
+    def _row(self, req) -> list[int]:
+        """Physical block per logical block of ``req``'s allocated positions."""
+        n = req.kv.kv_allocated_len
+        B = self.cfg.block_size
+        if not req.kv.holds_kv or n <= 0:
+            return []
+        row = self.r2t.req_to_token[req.kv.req_pool_idx, :n].to(self.torch.int64)
+        if self.kind == "sliding":
+            row = self.alloc.full_to_swa_index_mapping[row]
+        firsts = row[::B].tolist()
+        return [int(s) // B if s > 0 else NULL for s in firsts]
+
+    def _sync_table(self, req) -> list[int]:
+        rid = req.rid
+        new = self._row(req)
+        old = self.tables.setdefault(rid, [])
+        for j, p in enumerate(new):
+            have = old[j] if j < len(old) else NULL
+            if p == have:
+                continue
+            if p != NULL and have == NULL:
+                if p in self.owner:
+                    raise AssertionError(f"page {p} handed to {rid} at logical {j} is held by "
+                                         f"{self.owner[p]}")
+                self.owner[p] = (rid, j)
+                self.items.append(AllocObs(p, 0, rid, j))
+            elif not (p == NULL and have != NULL and have not in self.owner):
+                raise AssertionError(f"{rid} logical {j}: table says {p}, kvcheck saw {have}")
+        while len(old) < len(new):
+            old.append(NULL)
+        for j, p in enumerate(new):
+            old[j] = p
+        return list(new)
+
+    # ------------------------------------------------------------ events
+
+    def apply(self, ev: Event) -> Observed:
+        self.items = []
+        t = type(ev)
+        if t is AddRequest:
+            self._add(ev)
+        elif t is Schedule:
+            self._schedule()
+        elif t is Process:
+            self._process()
+        elif t is Preempt:
+            self._preempt(ev.id)
+        else:
+            self._end(ev.id, "finish" if t is Finish else "abort")
+        return Observed(self.items, self._counters())
+
+    def why_not(self, ev: Event) -> str | None:
+        """What SGLang's loop cannot take (beyond model/streams.py's order)."""
+        t = type(ev)
+        if t is Process and self.overlap and len(self.queue) < 2 and not self.may_process:
+            return ("the overlap loop processes a batch's result after scheduling the next "
+                    "one; with one batch in flight, only after a Schedule that found nothing")
+        if t is AddRequest and ev.external_tokens:
+            return "no connector loads here (HiCache is not driven)"
+        rid = getattr(ev, "id", None)
+        if t is Finish:
+            req = self.reqs.get(rid)
+            if req is None or req not in self.running.reqs or not req.output_ids:
+                return "a stop string is found only in an output of a running request"
+        if t is Preempt:
+            req = self.reqs.get(rid)
+            if req is None or req not in self.running.reqs or req is self.chunked_req:
+                return "SGLang retracts only requests of the running decode batch"
+        return None
+
+    def _add(self, ev: AddRequest) -> None:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        sp = SamplingParams(max_new_tokens=ev.max_new_tokens, ignore_eos=True)
+        sp.normalize(None)
+        ids = array("q", (prompt_token(t, ev.variant) for t in range(ev.prompt_len)))
+        req = Req(ev.id, "", ids, sp)
+        self.reqs[ev.id] = req
+        self.status[ev.id] = "waiting"
+        self.computed[ev.id] = 0
+        self.waiting.append(req)
+
+    # one iteration of the loop: get_next_batch_to_run
+    def _schedule(self) -> None:
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        cfg = self.cfg
+        B = cfg.block_size
+        if self.pending_chunked_abort is not None:  # process_pending_chunked_abort
+            req = self.pending_chunked_abort
+            self.pending_chunked_abort = None
+            self.reason = "abort"
+            release_kv_cache(req, self.cache, checkpoint=False)
+            self.chunked_req = None
+            self._ended(req.rid, "abort")
+        exclude = []
+        if self.chunked_req is not None:
+            exclude.append(self.chunked_req)
+            if self.chunked_req.extend_end > self.chunked_req.prefix_len:
+                self.reason = "window"
+                checkpoint_kv_cache(self.chunked_req, self.cache)  # stash_chunked_request
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            if last.chunked_req is not None:
+                exclude.append(last.chunked_req)
+            last.filter_batch(reqs_to_exclude=list(exclude))
+            if not last.is_empty():
+                if self.running.is_empty():
+                    self.running = last
+                else:
+                    self.running.merge_batch(last)
+        self.running.filter_batch()
+
+        batch = None
+        # _get_new_batch_prefill_raw
+        running = self.running
+        if running.is_empty():
+            running.batch_is_full = False
+        running.batch_is_full = False  # is_hybrid_swa / an empty batch re-open admission
+        if self.waiting or self.chunked_req is not None:
+            adder = PrefillAdder(B, self.cache, self.alloc, running, 0.0,
+                                 cfg.max_num_batched_tokens, cfg.max_num_batched_tokens, 0,
+                                 max_running_requests=cfg.max_num_seqs)
+            if self.chunked_req is not None:
+                self.chunked_req.init_next_round_input()
+                self.chunked_req = adder.add_chunked_req(self.chunked_req)
+            for req in self.waiting:
+                if adder.budget_state() == AddReqResult.OTHER:
+                    break
+                held = sum(r.kv.holds_kv for r in adder.can_run_list)
+                allocatable = min(cfg.max_num_seqs - len(running.reqs),
+                                  self.r2t.available_size() + held)
+                if len(adder.can_run_list) >= allocatable:
+                    running.batch_is_full = True
+                if running.batch_is_full:
+                    break
+                req.init_next_round_input(self.cache)
+                res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
+                                        truncation_align_size=None)
+                if res != AddReqResult.CONTINUE:
+                    if res == AddReqResult.NO_TOKEN:
+                        running.batch_is_full = bool(adder.can_run_list) or not running.is_empty()
+                    break
+            can_run = adder.can_run_list
+            if can_run:
+                run_set = set(can_run)
+                self.waiting = [r for r in self.waiting if r not in run_set]
+                if adder.new_chunked_req is not None:
+                    assert self.chunked_req is None
+                    self.chunked_req = adder.new_chunked_req
+                if self.chunked_req is not None:
+                    self.chunked_req.inflight_middle_chunks += 1
+                batch = self.ScheduleBatch.init_new(
+                    can_run, self.r2t, self.alloc, self.cache, self.model_config,
+                    self.overlap, SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
+                self.reason = "window"
+                batch.prepare_for_extend()
+        if batch is None and not running.is_empty():
+            batch = self._update_running(running)
+        self.last_batch = batch
+        if batch is None or batch.is_empty():
+            self.last_batch = batch if batch is not None and not batch.is_empty() else None
+            self.may_process = True
+            return
+        self.may_process = False
+        reqs = []
+        extend = batch.forward_mode.is_extend()
+        for i, req in enumerate(batch.reqs):
+            self.status[req.rid] = "running"
+            table = self._sync_table(req)
+            end = int(batch.seq_lens_cpu[i])
+            start = int(batch.prefix_lens[i]) if extend else end - 1
+            self.computed[req.rid] = end
+            reqs.append(ReqStep(req.rid, start, end, tables=(tuple(table),)))
+        self.items.append(StepObs(self.step_no, tuple(reqs)))
+        self.queue.append((self.step_no, batch.copy(), [r.rid for r in batch.reqs]))
+        self.step_no += 1
+
+    def _update_running(self, batch):
+        """update_running_batch: the decode batch, retracting under pool pressure."""
+        finishing = []
+        if self.overlap and self.queue:
+            queued = set(self.queue[-1][1].reqs)
+            finishing = [r for r in batch.reqs if r in queued and r.next_output_finishes_by_length()]
+        batch.filter_batch(reqs_to_exclude=finishing)
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return None
+        if not batch.check_decode_mem():
+            if finishing:
+                batch.batch_is_full = False
+                return None
+            self.reason = "preempt"
+            retracted, _, aborted = batch.retract_decode()
+            for req in retracted:
+                self._retracted(req)
+            for req in aborted:  # out of memory even after retracting the others
+                self._release_aborted(req)
+            if batch.is_empty():
+                return None
+        self.reason = "window"
+        batch.prepare_for_decode()
+        return batch
+
+    def _retracted(self, req) -> None:
+        self.status[req.rid] = "preempted"
+        self.computed[req.rid] = 0
+        self.tables[req.rid] = []
+        self.waiting.append(req)
+
+    def _release_aborted(self, req) -> None:
+        raise AssertionError(f"SGLang aborted {req.rid}: out of memory after retracting "
+                             f"every other request")
+
+    def _process(self) -> None:
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+        step, batch, rids = self.queue.pop(0)
+        discarded: list[str] = []
+        self.may_process = False
+        at = len(self.items)
+        self.items.append(None)  # the ProcessObs: the result is back before anything frees
+        if batch.forward_mode.is_extend():
+            for req in batch.reqs:
+                if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
+                    discarded.append(req.rid)
+                    continue
+                if req.inflight_middle_chunks <= 0:
+                    req.output_ids.append(SAMPLED)
+                    req.update_finish_state()
+                    if req.finished():
+                        self._release(req, checkpoint=True)
+                    else:
+                        self.reason = "window"
+                        checkpoint_kv_cache(req, self.cache)
+                else:
+                    req.inflight_middle_chunks -= 1
+        else:
+            for req in batch.reqs:
+                if self.overlap and (req.finished() or req.is_retracted):
+                    discarded.append(req.rid)
+                    continue
+                req.output_ids.append(SAMPLED)
+                req.update_finish_state(1)
+                if req.finished():
+                    self._release(req, checkpoint=False)
+        self.items[at] = ProcessObs(step, discarded=tuple(discarded))
+
+    def _release(self, req, checkpoint: bool) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        fr = req.finished_reason
+        why = ("length" if isinstance(fr, FINISH_LENGTH) else
+               "abort" if isinstance(fr, FINISH_ABORT) else "finish")
+        self.reason = "finish" if why != "abort" else "abort"
+        release_kv_cache(req, self.cache, checkpoint=checkpoint)
+        self._ended(req.rid, why)
+
+    def _ended(self, rid: str, why: str) -> None:
+        self.items.append(FinishObs(rid, why))
+        self.status[rid] = "finished"
+        self.tables.pop(rid, None)
+        self.just_finished.append(rid)
+
+    def _preempt(self, rid: str) -> None:
+        """A retraction of ``rid`` as retract_decode makes one: release_req."""
+        batch = self.running
+        idx = next(i for i, r in enumerate(batch.reqs) if r.rid == rid)
+        req = batch.reqs[idx]
+        self.reason = "preempt"
+        batch.release_req(idx, len(batch.reqs) - 1)
+        batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != idx])
+        self._retracted(req)
+
+    def _end(self, rid: str, why: str) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR
+
+        req = self.reqs[rid]
+        if why == "abort" and req in self.waiting:  # abort_request: out of the queue
+            self.waiting.remove(req)
+            self._ended(rid, "abort")
+            return
+        if why == "abort" and req is self.chunked_req:
+            self.pending_chunked_abort = req  # released at the next iteration's start
+            return
+        # a running request: the next result processed for it finishes it
+        req.to_finish = FINISH_ABORT("aborted") if why == "abort" else FINISH_MATCHED_STR("stop")
+
+    # ---------------------------------------------------------- counters
+
+    def _counters(self) -> Counters:
+        cfg = self.cfg
+        out = {}
+        for rid, st in self.status.items():
+            if st == "finished" and rid not in self.just_finished:
+                continue
+            t = self.tables.get(rid, [])
+            live = sum(1 for p in t if p != NULL)
+            out[rid] = ReqCounters(self.computed.get(rid, 0) if st != "finished" else 0, None,
+                                   (live,), st)
+        for rid in self.just_finished:
+            self.status.pop(rid, None)
+            self.ended.add(rid)
+        self.just_finished = []
+        B = cfg.block_size
+        free = self.pool.available_size() // B
+        bound = -(-cfg.max_model_len // B)
+        return Counters(free, cfg.num_blocks, out, (bound,))
+
+
+def unsupported(cfg: Config) -> str | None:
+    if len(cfg.groups) != 1 or cfg.groups[0].kind not in ("full", "sliding"):
+        return (f"kind {cfg.kind}: this target drives SGLang's full and sliding-window "
+                f"pools only (full, sliding)")
+    if cfg.groups[0].block_size not in (0, cfg.block_size):
+        return "one block size per config"
+    if cfg.spec_tokens:
+        return ("speculative decoding is not driven (spec_tokens 0): SGLang's draft "
+                "workers need a model")
+    if cfg.depth > 2:
+        return (f"depth {cfg.depth}: SGLang runs one batch in flight (overlap scheduler, "
+                f"depth 2) or none (depth 1)")
+    if cfg.hazard != "ordered":
+        return ("hazard unordered: SGLang's one unordered writer, HiCache's load stream, "
+                "is not driven (hazard ordered)")
+    if cfg.prefix_caching:
+        return "prefix caching (the radix tree) is not driven: run with --no-prefix-caching"
+    return None

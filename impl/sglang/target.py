@@ -1,0 +1,194 @@
+"""The ``sglang@VERSION`` target: SGLang's real KV allocator, pools and cache
+behind kvcheck's Target protocol (:mod:`impl.sglang.driver` drives them).
+
+SGLang imports in the process that runs the target (``.sglang/VERSION`` put
+first on ``sys.path``, the import shims of :mod:`impl.sglang.shims`); a fuzz
+run or a replay runs in a worker process beside it (:func:`worker_for`), as
+vLLM's do. ``SGLANG_SWA_EVICTION_INTERVAL`` is 1.
+
+What runs
+---------
+* layout: ``full``: an ``MHATokenToKVPool`` with SGLang's token allocator
+  (page size 1) or paged allocator; ``sliding``: a hybrid ``SWAKVPool`` (one
+  SWA layer, one full layer, pools of equal size) with
+  ``SWATokenToKVPoolAllocator``; the group kvcheck sees is the SWA pool (the
+  full layer's pool frees only at a request's end). Blocks are pages:
+  ``B = page_size``, ``num_blocks - 1`` pages (page 0 is SGLang's padding
+  slot: NULL). The cache is ``UnifiedRadixCache`` disabled (``disable=True``,
+  what ``--disable-radix-cache`` builds), so prefix caching is refused.
+* depth 2 is the overlap scheduler (``event_loop_overlap``, ``enable_overlap``
+  on the batches), depth 1 the normal loop; deeper is refused (one line, exit
+  2), and so are spec tokens, hazard ``unordered`` (HiCache's load stream is
+  the one writer unordered with the forward stream; not driven) and other
+  kinds.
+
+How an event runs
+-----------------
+* AddRequest: a ``Req`` (prompt ``model.tokens.prompt_token``, ``max_new_tokens``,
+  EOS ignored) appended to the waiting queue; external tokens are refused
+  (``can_apply`` False).
+* Schedule: ``get_next_batch_to_run``: a pending abort of the chunked request
+  (``release_kv_cache``), the chunked request's ``checkpoint_kv_cache``
+  (``stash_chunked_request``), the last extend batch filtered and merged into
+  the running batch, a ``PrefillAdder`` over the chunked request and the
+  waiting queue, ``ScheduleBatch.init_new`` + ``prepare_for_extend``; else
+  ``update_running_batch``: requests whose queued result finishes them by
+  length left out, ``check_decode_mem`` / ``retract_decode`` (``release_req``)
+  under pool pressure, ``prepare_for_decode``. SWA eviction
+  (``maybe_evict_swa`` -> ``free_swa_out_of_window_slots``) runs inside
+  ``prepare_for_*`` as in SGLang.
+* Process: the oldest batch's result: one sampled token per request
+  (``output_ids``, ``update_finish_state``), a finished request released
+  (``release_kv_cache``), a finished prefill checkpointed; middle chunks only
+  count down. Outputs of retracted or finished requests are skipped (the
+  overlap loop's over-scheduled tokens): ProcessObs.discarded. In the overlap
+  loop a batch's result is processed after the next batch is scheduled: with
+  one batch in flight a Process is valid only after a Schedule that found
+  nothing.
+* Preempt: the retraction ``retract_decode`` makes of that request
+  (``ScheduleBatch.release_req``, then ``reset_for_retract``; back to the
+  waiting queue, recomputed from its prompt and outputs). Only requests of the
+  running decode batch.
+* Finish: a stop string, found when the next result of the request is
+  processed (``to_finish``); only running requests with outputs. Abort:
+  ``abort_request``: a waiting request leaves the queue, the chunked one is
+  released at the next iteration's start, a running one at its next result.
+
+Observations: FreeObs where the reported allocator takes pages back (its
+free calls wrapped), AllocObs and tables from ``req_to_token``, counters from
+the requests (``computed`` the allocated length; no in-flight count:
+``in_flight`` None), the pool's ``available_size``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
+from model.events import Config, Event
+from model.observations import Observed
+from model.streams import EngineState
+
+from . import compat
+
+_WHY = "sglang@{v}: {what}"
+
+
+def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
+    def why(what: str) -> str:
+        return _WHY.format(v=version, what=what)
+
+    pins = (
+        ("spec_tokens", 0, why("speculative decoding is not driven (SGLang's draft workers "
+                               "need a model); use --spec-tokens 0")),
+        ("hazard", "ordered", why("one forward stream orders every free before the next "
+                                  "write; HiCache's load stream (the one unordered writer) is "
+                                  "not driven; use --hazard ordered")),
+        ("prefix_caching", False, why("the radix tree is driven disabled "
+                                      "(--disable-radix-cache); use --no-prefix-caching")),
+    )
+    return {"full": pins, "sliding": pins}
+
+
+class SglangTarget:
+    """SGLang ``version``'s scheduler-side objects, in this process."""
+
+    def __init__(self, version: str):
+        problem = compat.release_problem(version)
+        if problem:
+            raise TargetError(problem)
+        if not (compat.install_dir(version) / "sglang" / "__init__.py").is_file():
+            raise TargetError(f"sglang {version} is not installed; run: "
+                              f"{compat.install_command(version)}")
+        self.version = version
+        self.name = f"sglang@{version}"
+        self.capabilities = Capabilities(kinds=frozenset({"full", "sliding"}), max_depth=2,
+                                         fixed_policy="sglang", pinned=_pins(version))
+        self._driver: Any = None
+        self._config: Config | None = None
+        self._state: EngineState | None = None
+
+    def _d(self):
+        if self._driver is None:
+            try:
+                from .driver import Driver
+
+                self._driver = Driver(self.version)
+            except Exception as e:  # noqa: BLE001 - an import that fails is the install's
+                raise TargetError(f"{self.name} cannot be imported: {e}") from None
+        return self._driver
+
+    def reset(self, config: Config) -> Observed:
+        from .driver import ConfigUnsupported
+
+        d = self._d()
+        try:
+            obs = d.reset(config)
+        except ConfigUnsupported as e:
+            raise Unsupported(f"{self.name}: {e}") from None
+        except Exception:  # noqa: BLE001
+            import traceback
+
+            raise TargetCrash(f"{self.name}: reset raised:\n{traceback.format_exc()}") from None
+        self._config = config
+        self._state = EngineState(config)
+        self._state.observe(obs)
+        return obs
+
+    def can_apply(self, event: Event) -> bool:
+        if self._config is None or self._state is None:
+            return False
+        if self._state.why_not(event) is not None:
+            return False
+        return self._d().why_not(event) is None
+
+    def apply(self, event: Event) -> Observed:
+        if self._config is None:
+            raise TargetCrash(f"{self.name}: reset() first")
+        why = self._state.why_not(event) or self._d().why_not(event)
+        if why is not None:
+            raise Unsupported(f"{self.name}: {event} is not valid here now: {why}")
+        try:
+            obs = self._d().apply(event)
+        except Exception:  # noqa: BLE001
+            import traceback
+
+            self._config = None
+            raise TargetCrash(f"{self.name}: SGLang raised while applying {event}:\n"
+                              f"{traceback.format_exc()}") from None
+        self._state.observe(obs)
+        return obs
+
+    def close(self) -> None:
+        pass
+
+
+_workers: dict[tuple[str, int], Any] = {}
+_lock = threading.Lock()
+
+
+def worker_for(version: str, slot: int = 0):
+    """A started worker process for jobs beside ``sglang@version``."""
+    from impl.worker import WorkerProcess
+
+    SglangTarget(version)  # refuses an unknown or missing release
+    with _lock:
+        w = _workers.get((version, slot))
+        if w is None or not w.alive():
+            w = _workers[(version, slot)] = WorkerProcess(
+                f"sglang {version}", [str(compat.install_dir(version))],
+                {"SGLANG_SWA_EVICTION_INTERVAL": "1"})
+    w.ready(300.0)
+    return w
+
+
+def _shutdown() -> None:
+    for w in list(_workers.values()):
+        w.close()
+    _workers.clear()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_shutdown)
