@@ -384,7 +384,8 @@ class Driver:
         finishing = []
         if self.overlap and self.queue:
             queued = set(self.queue[-1][1].reqs)
-            finishing = [r for r in batch.reqs if r in queued and r.next_output_finishes_by_length()]
+            finishing = [r for r in batch.reqs
+                         if r in queued and r.next_output_finishes_by_length()]
         batch.filter_batch(reqs_to_exclude=finishing)
         if batch.is_empty():
             batch.batch_is_full = False
@@ -416,7 +417,7 @@ class Driver:
                              f"every other request")
 
     def _process(self) -> None:
-        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
         step, batch, rids = self.queue.pop(0)
         discarded: list[str] = []
