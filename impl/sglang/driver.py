@@ -260,13 +260,24 @@ class Driver:
         rid = getattr(ev, "id", None)
         if t is Finish:
             req = self.reqs.get(rid)
-            if req is None or req not in self.running.reqs or not req.output_ids:
-                return "a stop string is found only in an output of a running request"
+            if req is None or not (req in self._decoding() or req is self.chunked_req):
+                return "a stop string is found only in an output of a scheduled request"
         if t is Preempt:
             req = self.reqs.get(rid)
-            if req is None or req not in self.running.reqs or req is self.chunked_req:
-                return "SGLang retracts only requests of the running decode batch"
+            if req is None or req not in self._decoding():
+                return ("SGLang retracts only requests of the running batch (the chunked "
+                        "request and waiting ones are not in it)")
         return None
+
+    def _decoding(self) -> list:
+        """The requests of the running batch as the next iteration's merge makes
+        it: the running batch and the last prefill batch but its chunked request."""
+        out = list(self.running.reqs)
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            out += [r for r in last.reqs if r is not self.chunked_req and r is not
+                    last.chunked_req and not r.finished()]
+        return out
 
     def _add(self, ev: AddRequest) -> None:
         from sglang.srt.managers.schedule_batch import Req
@@ -327,9 +338,14 @@ class Driver:
             if self.chunked_req is not None:
                 self.chunked_req.init_next_round_input()
                 self.chunked_req = adder.add_chunked_req(self.chunked_req)
+            # a request retracted with a batch of it in flight waits for that result
+            # (SGLang processes it in the iteration that retracted, before any re-admission)
+            busy = {id(r) for _, b, _ in self.queue for r in b.reqs}
             for req in self.waiting:
                 if adder.budget_state() == AddReqResult.OTHER:
                     break
+                if id(req) in busy:
+                    continue
                 held = sum(r.kv.holds_kv for r in adder.can_run_list)
                 allocatable = min(cfg.max_num_seqs - len(running.reqs),
                                   self.r2t.available_size() + held)
@@ -470,6 +486,8 @@ class Driver:
     def _preempt(self, rid: str) -> None:
         """A retraction of ``rid`` as retract_decode makes one: release_req."""
         batch = self.running
+        if not any(r.rid == rid for r in batch.reqs):
+            batch = self.last_batch  # admitted by the batch in flight: merged next iteration
         idx = next(i for i, r in enumerate(batch.reqs) if r.rid == rid)
         req = batch.reqs[idx]
         self.reason = "preempt"
