@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--depth 2\n  ./kvcheck fuzz --target vllm@0.25.1 --kind chunked_local --depth 2\n"
                "a violation saves <out>/<name>.json, <out>/<name>.png and <out>/test_<name>.py")
     f.add_argument("--target", default="reference",
-                   help="reference | vllm@VERSION | vllm@PATH (default reference)")
+                   help="reference | vllm@VERSION | vllm@PATH | sglang@VERSION (default reference)")
     f.add_argument("--kind", default="sliding", choices=ALL_KINDS)
     f.add_argument("--policy", default=None,
                    help="freeing policy of the reference target (default settled; vLLM targets "
@@ -494,7 +494,8 @@ def cmd_replay(a) -> int:
             raise UsageError(f"unknown policy {a.policy!r}")
         trace = Trace(dc_replace(trace.config, policy=a.policy), trace.events, trace.meta)
     if a.target is not None and not a.target.strip():
-        raise UsageError("--target '': name a target (reference, vllm@VERSION, vllm@PATH)")
+        raise UsageError("--target '': name a target (reference, vllm@VERSION, vllm@PATH, "
+                         "sglang@VERSION)")
     target = a.target or trace.meta.get("target") or "reference"
     from impl.target import make_target
 

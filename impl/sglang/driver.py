@@ -258,10 +258,6 @@ class Driver:
         if t is AddRequest and ev.external_tokens:
             return "no connector loads here (HiCache is not driven)"
         rid = getattr(ev, "id", None)
-        if t is Finish:
-            req = self.reqs.get(rid)
-            if req is None or not (req in self._decoding() or req is self.chunked_req):
-                return "a stop string is found only in an output of a scheduled request"
         if t is Preempt:
             req = self.reqs.get(rid)
             if req is None or req not in self._decoding():
@@ -301,12 +297,12 @@ class Driver:
         cfg = self.cfg
         B = cfg.block_size
         if self.pending_chunked_abort is not None:  # process_pending_chunked_abort
-            req = self.pending_chunked_abort
+            req, why = self.pending_chunked_abort
             self.pending_chunked_abort = None
-            self.reason = "abort"
+            self.reason = why
             release_kv_cache(req, self.cache, checkpoint=False)
             self.chunked_req = None
-            self._ended(req.rid, "abort")
+            self._ended(req.rid, why)
         exclude = []
         if self.chunked_req is not None:
             exclude.append(self.chunked_req)
@@ -499,12 +495,14 @@ class Driver:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR
 
         req = self.reqs[rid]
-        if why == "abort" and req in self.waiting:  # abort_request: out of the queue
+        # a request with no output to stop on (waiting, or mid-prefill) ends as
+        # abort_request ends it, whichever event names it
+        if req in self.waiting:  # abort_request: out of the queue
             self.waiting.remove(req)
-            self._ended(rid, "abort")
+            self._ended(rid, why)
             return
-        if why == "abort" and req is self.chunked_req:
-            self.pending_chunked_abort = req  # released at the next iteration's start
+        if req is self.chunked_req:
+            self.pending_chunked_abort = (req, why)  # released at the next iteration's start
             return
         # a running request: the next result processed for it finishes it
         req.to_finish = FINISH_ABORT("aborted") if why == "abort" else FINISH_MATCHED_STR("stop")

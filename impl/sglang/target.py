@@ -49,10 +49,12 @@ How an event runs
   (``ScheduleBatch.release_req``, then ``reset_for_retract``; back to the
   waiting queue, recomputed from its prompt and outputs). Only requests of the
   running decode batch.
-* Finish: a stop string, found when the next result of the request is
-  processed (``to_finish``); only running requests with outputs. Abort:
-  ``abort_request``: a waiting request leaves the queue, the chunked one is
-  released at the next iteration's start, a running one at its next result.
+* Finish / Abort: ``abort_request``'s paths: a waiting request leaves the
+  queue, the chunked one is released at the next iteration's start
+  (``process_pending_chunked_abort``), a running one when its next result is
+  processed (``to_finish``: a stop string, or ``FINISH_ABORT``). A Finish of a
+  request with no output to stop on yet (waiting, mid-prefill) takes the same
+  path as an Abort.
 
 Observations: FreeObs where the reported allocator takes pages back (its
 free calls wrapped), AllocObs and tables from ``req_to_token``, counters from
