@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from impl.sglang import compat
+from properties.invariants import WITNESSES
 
 REPO = compat.REPO
 TARGET = "sglang@0.5.23"
@@ -25,7 +26,7 @@ def _kvcheck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 def _fuzz(tmp_path, kind: str) -> dict:
     out = tmp_path / f"{kind}.json"
-    p = _kvcheck("fuzz", "--target", TARGET, "--kind", kind, "--examples", "5", "--seed", "3",
+    p = _kvcheck("fuzz", "--target", TARGET, "--kind", kind, "--examples", "4", "--seed", "3",
                  "--workers", "1", "--quiet", "--no-report", "--out", str(tmp_path / "cx"),
                  "--json", str(out))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -35,7 +36,7 @@ def _fuzz(tmp_path, kind: str) -> dict:
 def test_sliding_fuzz_holds_with_window_frees_in_flight(tmp_path):
     res = _fuzz(tmp_path, "sliding")
     assert res["verdict"] == "holds", res
-    w = res["witnesses"]
+    w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
     # SGLang's SWA eviction freed blocks, some with another step of the
     # request in flight (the overlap scheduler), and examples drained
     assert w["window_free"] > 0 and w["free_while_in_flight"] > 0, w
@@ -45,7 +46,7 @@ def test_sliding_fuzz_holds_with_window_frees_in_flight(tmp_path):
 def test_full_fuzz_holds_and_frees_nothing_early(tmp_path):
     res = _fuzz(tmp_path, "full")
     assert res["verdict"] == "holds", res
-    w = res["witnesses"]
+    w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
     assert w["window_free"] == 0 and w["drained"] > 0 and w["block_reused"] > 0, w
 
 
