@@ -545,11 +545,12 @@ def unsupported(cfg: Config) -> str | None:
         return ("hazard unordered: SGLang's one unordered writer, HiCache's load stream, "
                 "is not driven (hazard ordered)")
     B = cfg.block_size
-    if cfg.groups[0].kind == "full" and (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
+    if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
+        # the sliding layout's full-attention pool has the SWA pool's size
         return (f"{cfg.num_blocks - 1} pages of {B}: SGLang's PrefillAdder admits an "
                 f"ignore-EOS request only with room for its paged prompt, every new token and "
-                f"a reserve, so one request of max_model_len {cfg.max_model_len} needs "
-                f"{-(-(cfg.max_model_len + 2 * B) // B)} pages")
+                f"a reserve in each pool, so one request of max_model_len {cfg.max_model_len} "
+                f"needs {-(-(cfg.max_model_len + 2 * B) // B)} pages")
     if cfg.prefix_caching:
         return "prefix caching (the radix tree) is not driven: run with --no-prefix-caching"
     return None
