@@ -36,6 +36,7 @@ Witnesses count how often a run reached the situations these are about.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
@@ -123,6 +124,10 @@ class _Pending:
     dead: bool = False  # output will be discarded (preempted / failed / ended)
     tainted: str = ""  # what it read that a failed load left without KV (output must not count)
     lead: int = 0  # positions below its start it computes again (Kind.reprefill)
+    # Mamba groups: the request's step before it (the states it starts from),
+    # and, once that one is processed, the drafts it accepted
+    prev: _Pending | None = None
+    acc: int | None = None
 
     @property
     def start(self) -> int:
@@ -150,6 +155,7 @@ class _Req:
     stopped: bool = False  # preempted / waiting since the last time it ran
     loaded: tuple[int, int] | None = None  # positions its last connector load covers
     chunk: tuple[int, int] | None = None  # its last scheduled step's positions, while running
+    last_part: _Pending | None = None  # its last scheduled step, while running (Mamba)
 
 
 class _Reqs(dict[str, _Req]):
@@ -461,6 +467,15 @@ class Checker:
         P = self.prompt_len.get(rid)
         for pp, lo, hi in self._may_read(rid):
             table = pp.rs.tables[group] if group < len(pp.rs.tables) else ()
+            if g.spec.holds_state:
+                # the worker's table may name the block at another slot too
+                # (a relocated speculative block): any slot the part touches
+                rb = pp.reads_from - lo
+                prb = 0 if pp.prev is None or pp.prev.acc is not None else rb + pp.prev.rs.spec
+                slots = self._state_blocks(pp, g, self.Bs[group], rb, prb)
+                if any(x < len(table) and table[x] == block for x in slots):
+                    return pp, pp.start
+                continue
             if logical < len(table) and table[logical] == block:
                 B = self.Bs[group]
                 blocks = read_blocks(g, lo, hi, B, P)
@@ -494,6 +509,136 @@ class Checker:
     @staticmethod
     def _fmt_reads(g: Group, t: int, P: int | None) -> str:
         return " and ".join(f"[{x}, {y - 1}]" for x, y in reads(g, t, P))
+
+    # ------------------------------------------------------------ Mamba states
+
+    @staticmethod
+    def _state_slot(pp: _Pending, B: int) -> int | None:
+        """The slot of a Mamba group's (worker's) table through which ``pp``
+        reads the state it starts from, as vLLM's model runner of a hybrid
+        model picks it (``preprocess_mamba``, V2's
+        ``preprocess_mamba_align_fused_kernel``): the running slot ``s`` of the
+        request's step before it plus the drafts that step accepted
+        (``mamba_state_idx + num_accepted_tokens - 1``), or ``s`` itself where
+        that step's postprocess copied the accepted state there (it reached
+        the end of block ``s``; ``postprocess_mamba_fused_kernel``). A step
+        with no step before it (a new or resumed request) reads the slot of
+        position ``a - 1`` (the prefix hit's state). None: it starts at 0.
+        K = 4, B = 4: the step before computed [3, 8), running state after 3
+        in slot s = 1, drafts' states after 4..7 in slots 2..5; two accepted::
+
+            slots        0    1    2    3    4    5
+            states            3    4    5    6    7
+                                        ^ the next step, [6, 11), starts here"""
+        a = pp.start
+        if a <= 0:
+            return None
+        q = pp.prev
+        if q is not None:
+            base = q.end - q.rs.spec
+            j = a - base
+            if 0 <= j <= q.rs.spec:
+                s = (q.end - 1) // B
+                if a // B * B >= base and a // B - 1 == s:
+                    return s
+                return s + j
+        return (a - 1) // B
+
+    def _state_blocks(self, pp: _Pending, g: Group, B: int, rollback: int = 0,
+                      prev_rollback: int = 0) -> list[int]:
+        """The slots of a Mamba group a step part reads or writes through its
+        table: the state it starts from (:meth:`_state_slot`) and the ``1 + K``
+        it writes from ``(end - 1) // B`` on; with ``rollback`` (its start may
+        still move down that far) and ``prev_rollback`` (the step before it
+        likewise), every slot one of those outcomes would touch."""
+        K = g.spec.spec_blocks
+        out: set[int] = set()
+        for e in range(pp.end - rollback, pp.end + 1):
+            if e > 0:
+                out.update(range((e - 1) // B, (e - 1) // B + 1 + K))
+        q = pp.prev
+        if q is None or not (rollback or prev_rollback):
+            r = self._state_slot(pp, B)
+            if r is not None:
+                out.add(r)
+            return sorted(out)
+        for qe in range(q.end - prev_rollback, q.end + 1):
+            s = (qe - 1) // B
+            out.update(range(s, s + 1 + q.rs.spec))
+        return sorted(out)
+
+    def _reads(self, pp: _Pending, gi: int, g: Group, lo: int, hi: int,
+               P: int | None) -> Sequence[int]:
+        """Logical blocks of group ``gi`` the part reads computing ``[lo, hi)``."""
+        if g.spec.holds_state and lo == pp.reads_from and hi == pp.end:
+            return self._state_blocks(pp, g, self.Bs[gi])
+        return read_blocks(g, lo, hi, self.Bs[gi], P)
+
+    def _holds(self, rid: str, gi: int, lg: int, blk: int) -> bool:
+        """Whether ``rid`` holds ``blk`` where its step reads it at slot ``lg``:
+        there, or (a Mamba group, whose steps read the worker's table, which
+        keeps a relocated speculative block at its old slot too) at any slot
+        of the group."""
+        held = self.holder.get((rid, gi, lg))
+        if held == blk:
+            return True
+        if not self.cfg.groups[gi].spec.holds_state:
+            return False
+        return any(k[1] == gi and self.holder[k] == blk for k in self.holder.of(rid))
+
+    def _check_state(self, pp: _Pending) -> None:
+        """The state ``pp`` starts from, once the step before it is processed:
+        the block at its :meth:`_state_slot` must hold the state after
+        position ``start - 1`` of the request. What that step left in its
+        blocks follows vLLM's worker: its forward writes its running state
+        and one state per draft into its ``1 + spec`` slots from ``s`` on, in
+        that order (one block named at two of those slots keeps the later
+        state), then its postprocess copies the accepted state into the slot
+        of the block edge it reached (``postprocess_mamba_fused_kernel``)."""
+        q = pp.prev
+        if q is None or q.acc is None or pp.dead:
+            return
+        a = pp.start
+        base = q.end - q.rs.spec
+        if a != base + q.acc:
+            return  # not the state q left (a failed load's recompute)
+        rid = pp.rs.rid
+        for gi, g in enumerate(self.cfg.groups):
+            if not g.spec.holds_state:
+                continue
+            B = self.Bs[gi]
+            tq = q.rs.tables[gi] if gi < len(q.rs.tables) else ()
+            tp = pp.rs.tables[gi] if gi < len(pp.rs.tables) else ()
+            s = (q.end - 1) // B
+            held: dict[int, tuple[int, int]] = {}  # block -> (position its state follows, slot)
+            for j in range(q.rs.spec + 1):
+                if s + j < len(tq) and tq[s + j] != NULL:
+                    held[tq[s + j]] = (base - 1 + j, s + j)
+            aligned = a // B * B
+            copied = None
+            if aligned >= base and not (aligned == base and aligned // B - 1 == s):
+                src, dest = s + aligned - base, aligned // B - 1
+                if src < len(tq) and dest < len(tq) and tq[dest] != NULL:
+                    got = held.get(tq[src])
+                    if got is not None:
+                        held[tq[dest]] = (got[0], dest)
+                        copied = dest
+            r = self._state_slot(pp, B)
+            if r is None or r >= len(tp) or tp[r] == NULL:
+                continue  # the NULL / held check's
+            got = held.get(tp[r])
+            if got is None or got[0] == a - 1:
+                continue
+            how = (f"step {q.step}'s postprocess copied the state after {got[0]} there"
+                   if got[1] == copied else
+                   f"step {q.step} wrote its state after position {got[0]} into it through "
+                   f"slot {got[1]} too")
+            self._v(2, f"step {pp.step} computes {rid} positions [{a}, {pp.end}) from the "
+                       f"Mamba state after position {a - 1}, which step {q.step} left at slot "
+                       f"{r} (block {tp[r]}, {g.label()}), but {how}: the block names two "
+                       f"slots of the worker's table",
+                    step=pp.step, rid=rid, block=tp[r])
+            return
 
     # ------------------------------------------------------------ items
 
@@ -740,7 +885,7 @@ class Checker:
                         continue
                     g = self.cfg.groups[gi]
                     P = self.prompt_len.get(pp.rs.rid)
-                    for lg in read_blocks(g, pp.reads_from, pp.end, self.Bs[gi], P):
+                    for lg in self._reads(pp, gi, g, pp.reads_from, pp.end, P):
                         if lg < len(table) and table[lg] == f.block:
                             self._v(1, f"block {f.block} returned to the pool ({f.reason} of "
                                        f"{f.rid}) while step {pp.step} of {pp.rs.rid} still reads "
@@ -793,7 +938,11 @@ class Checker:
                        for gi, g in enumerate(self.cfg.groups)):
                     self.witness["reprefill_reach"] += 1
             req.chunk = (rs.start, rs.end)
+            if self._mamba:
+                pp.prev, req.last_part = req.last_part, pp
             self._check_reads(pp, "scheduled")
+            if self._mamba:
+                self._check_state(pp)
             P = self.prompt_len.get(rs.rid)
             if (self._held_groups and rs.start >= self.B
                     and self._live_pending(rs.rid)):
@@ -855,9 +1004,10 @@ class Checker:
             B = self.Bs[gi]
             table = tables[gi] if gi < len(tables) else ()
             n = len(table)
-            for lg in read_blocks(g, start, end, B, P):
+            for lg in self._reads(pp, gi, g, start, end, P):
                 blk = table[lg] if lg < n else None
-                if blk is None or blk == NULL or held((rid, gi, lg)) != blk:
+                if blk is None or blk == NULL or (held((rid, gi, lg)) != blk
+                                                  and not self._holds(rid, gi, lg, blk)):
                     t = self._first_reader(g, B, lg, start, end, P)
                     t = start if t is None else t
                     what = ("no block" if blk is None else "the NULL block" if blk == NULL
@@ -1056,6 +1206,7 @@ class Checker:
             rid = pp.rs.rid
             req = self.reqs[rid]
             if rid in failed:
+                req.last_part = None  # it recomputes from what the recovery says
                 self.failing.discard(rid)
                 self.witness["failed_load"] += 1
                 if self._live_pending(rid):
@@ -1067,6 +1218,7 @@ class Checker:
             if pp.dead or rid in discarded:
                 continue
             rejected = pp.rs.spec - accepted.get(rid, pp.rs.spec)
+            pp.acc = pp.rs.spec - rejected
             req.p = pp.end - rejected
             if rejected > 0:
                 if req.window_freed:
@@ -1084,6 +1236,10 @@ class Checker:
                     later.shift += rejected
                     self._write(rid, later.rs.tables, later.start, later.end, later.step)
                     self._check_reads(later, f"shifted down {later.shift} by rejection")
+            if self._mamba:
+                nxt = next((q for q in self._live_pending(rid) if q.prev is pp), None)
+                if nxt is not None:
+                    self._check_state(nxt)
         # A failed load hits every request holding the bad blocks (a prefix-cache
         # hit shares them), not only the one that loaded: those recompute too.
         in_row = {pp.rs.rid for pp in row}
@@ -1096,6 +1252,9 @@ class Checker:
                 self._touched.add(rid)
                 for later in self._live_pending(rid):
                     later.dead = True
+        if self._mamba:
+            for pp in row:  # processed: no later check reads what came before it
+                pp.prev = None
         # A discarded output says nothing about later steps: a request that
         # resumed at once after a preemption (vLLM 0.25.1) has live steps after
         # the discarded ones; those scheduled before the preemption were marked
@@ -1157,6 +1316,7 @@ class Checker:
     def mark_dead(self, rid: str, preempted: bool = False) -> None:
         """A request was preempted / ended: its in-flight outputs no longer count."""
         self.reqs[rid].chunk = None
+        self.reqs[rid].last_part = None
         self._touched.add(rid)
         live = self._live_pending(rid)
         if preempted and live:

@@ -332,16 +332,6 @@ class Driver:
             raise ConfigUnsupported(
                 "without prefix caching vLLM sizes a Mamba block to max_model_len "
                 "('none' mode); the checker drives Mamba in 'align' mode (prefix caching on)")
-        if cfg.spec_tokens >= B:
-            # then a decode moves the running state two blocks, and
-            # _relocate_speculative_block moves a slot that the next step, shifted
-            # down by a rejection, still writes through the worker's append-only
-            # block table; the checker reads the scheduler's table (NULL there)
-            raise ConfigUnsupported(
-                f"{cfg.spec_tokens} drafts with {B}-token Mamba blocks: the checker models "
-                f"Mamba's speculative state slots for fewer drafts than the block size (a "
-                f"decode moving the state two blocks relocates a slot the worker's table "
-                f"keeps)")
         # a hybrid model's config pads the Mamba page to the attention
         # page (HybridAttentionMambaModelConfig), so both share one pool
         pad = (kvi.FullAttentionSpec(**common).page_size_bytes
@@ -530,6 +520,13 @@ class Driver:
         self.active: dict[str, Any] = {}  # rid -> Request, while it is in the counters
         self.table: dict[str, list[list[int]]] = {}  # rid -> per group: slot -> physical id
         self.last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # as last scheduled
+        # rid -> per group: the model runner's block table (physical ids), built
+        # from the scheduler outputs alone (:meth:`_worker_tables`)
+        self.wtable: dict[str, list[list[int]]] = {}
+        # the groups whose steps read the worker's table in observations: a
+        # Mamba group's (align mode relocates speculative blocks in the
+        # scheduler's table; the worker's keeps them where they were too)
+        self.worker_groups = tuple(gi for gi, g in enumerate(cfg.groups) if g.spec.holds_state)
         self.live: dict[str, list[int]] = {}  # rid -> per group: blocks not yet in the pool
         self.owed: dict[int, list[tuple[int, str, int, str]]] = {}  # block -> (g, rid, slot, why)
         self.reasons: list[str] = []
@@ -896,6 +893,7 @@ class Driver:
         # (copy_kv_cache_blocks_inplace: blocks[dst] = blocks[src])
         self.step_copies += [(self._pid_of(c.src_block_id), self._pid_of(c.dst_block_id))
                              for c in getattr(out, "kv_cache_block_copies", None) or ()]
+        self._worker_tables(out)  # the engine hands every output to the worker
         if not out.total_num_scheduled_tokens:
             return  # an empty step: nothing runs, nothing to process
         meta = getattr(out, "kv_connector_metadata", None)
@@ -920,6 +918,8 @@ class Driver:
                     raise InstrumentationError(
                         f"step {step}: request {rid} group {g} is scheduled with table "
                         f"{list(tab)}, observations say {mine[g]}")
+            if self.worker_groups:
+                tables = self._worker_view(rid, step, tables)
             last = self.last_tables.get(rid)
             if last is not None:  # an unchanged table is the same tuple (memory per change)
                 tables = tuple(b if b == t else t for b, t in zip(last, tables, strict=True))
@@ -930,6 +930,57 @@ class Driver:
         self.pending.append(_Pending(step, out, obs, samples))
         self.items.append(StepObs(step, tuple(obs.values()), tuple(self.step_copies)))
         self.step_copies = []
+
+    def _worker_tables(self, out: Any) -> None:
+        """The model runner's block tables after it took ``out``, as vLLM's
+        model runners build them (``GPUModelRunner._update_states``; V2's
+        ``add_requests`` / ``update_requests``): a request in
+        ``scheduled_new_reqs`` gets its row from ``block_ids`` (the whole
+        table; V2 lists resumed requests there too), one in
+        ``scheduled_cached_reqs`` with ``resumed_req_ids`` (or
+        ``resumed_from_preemption``) gets it replaced by ``new_block_ids``, and
+        any other cached one has ``new_block_ids`` appended: a running
+        request's row is append-only, never rewritten where the scheduler put
+        NULL or moved a block. A finished request's row is dropped."""
+        w, pid = self.wtable, self._pid_of
+        for rid in getattr(out, "finished_req_ids", ()) or ():
+            w.pop(rid, None)
+        for nr in out.scheduled_new_reqs:
+            w[nr.req_id] = [list(map(pid, ids)) for ids in nr.block_ids]
+        cr = out.scheduled_cached_reqs
+        resumed = getattr(cr, "resumed_req_ids", None)
+        flags = getattr(cr, "resumed_from_preemption", None)
+        for i, rid in enumerate(cr.req_ids):
+            new = cr.new_block_ids[i]
+            again = rid in resumed if resumed is not None else bool(flags and flags[i])
+            if again or rid not in w:
+                if new is None:
+                    raise InstrumentationError(
+                        f"request {rid} is resumed in the worker without a block table")
+                w[rid] = [list(map(pid, ids)) for ids in new]
+            elif new is not None:
+                for row, ids in zip(w[rid], new, strict=True):
+                    row.extend(map(pid, ids))
+
+    def _worker_view(self, rid: str, step: int, tables: tuple[tuple[int, ...], ...]
+                     ) -> tuple[tuple[int, ...], ...]:
+        """``tables`` (the scheduler's) with the worker's row in the groups it is
+        reported for. The two agree but where the scheduler has NULL since:
+        a slot it freed, or a speculative Mamba block it relocated (the worker
+        still names it there, and at its new slot)."""
+        row = self.wtable.get(rid)
+        if row is None:
+            raise InstrumentationError(f"step {step}: request {rid} is scheduled but the "
+                                       "worker has no block table for it")
+        out = list(tables)
+        for gi, (w, t) in enumerate(zip(row, tables, strict=True)):
+            if len(w) != len(t) or any(a != b and b != NULL for a, b in zip(w, t, strict=True)):
+                raise InstrumentationError(
+                    f"step {step}: request {rid} group {gi}: the worker's block table {w} "
+                    f"departs from the scheduler's {list(t)} other than at NULL slots")
+            if gi in self.worker_groups:
+                out[gi] = tuple(w)
+        return tuple(out)
 
     def _process(self, ev: Process) -> None:
         if not self.pending:
