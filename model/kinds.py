@@ -380,7 +380,9 @@ class Mamba(Kind):
         last (a draft's state each), and the state it starts from is the
         previous step's accepted one: in the slot of ``a - 1`` or among the
         slots it writes, as long as a step moves by at most ``B`` tokens per
-        block (``K < B``, which the vLLM target holds to)."""
+        block (``K < B``). With more drafts it lies in the previous step's
+        running slot plus its accepted drafts, which the checker takes from
+        that step (``properties.invariants.Checker._state_slot``)."""
         if e <= a:
             return range(0)
         last = (e - 1) // block_size

@@ -347,6 +347,9 @@ class Checker:
         # MTP drafter's retained tokens), the most over the groups
         self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
         self._mamba = any(g.spec.holds_state for g in cfg.groups)
+        # rid -> (group, slot) -> the block relocated away from that slot in the
+        # request's current worker row (MoveObs), which the worker still names there
+        self._moved: dict[str, dict[tuple[int, int], int]] = {}
         # blocks a kind keeps for itself: the static sink's, holding its KV from the start
         self.reserved = tuple(b for g in cfg.groups for b in g.spec.reserved_blocks(self.B))
         for b in self.reserved:
@@ -423,6 +426,7 @@ class Checker:
             self._ending.discard(rid)
             self._retired_now.add(rid)
             self.reqs.pop(rid, None)
+            self._moved.pop(rid, None)
             self._nheld.pop(rid, None)
             self.prompt_len.pop(rid, None)
             self.variant.pop(rid, None)
@@ -577,12 +581,12 @@ class Checker:
     def _holds(self, rid: str, gi: int, lg: int, blk: int) -> bool:
         """Whether ``rid`` holds ``blk`` where its step reads it at slot ``lg``:
         there, or (a Mamba group, whose steps read the worker's table, which
-        keeps a relocated speculative block at its old slot too) at any slot
-        of the group."""
+        keeps a relocated speculative block at its old slot too) ``blk`` moved
+        away from ``lg`` (:class:`MoveObs`) and ``rid`` still holds it."""
         held = self.holder.get((rid, gi, lg))
         if held == blk:
             return True
-        if not self.cfg.groups[gi].spec.holds_state:
+        if self._moved.get(rid, {}).get((gi, lg)) != blk:
             return False
         return any(k[1] == gi and self.holder[k] == blk for k in self.holder.of(rid))
 
@@ -689,6 +693,8 @@ class Checker:
             return
         del self.holder[old]
         self.holder[new] = m.block
+        # the worker's table keeps naming it at its old slot (append-only)
+        self._moved.setdefault(m.rid, {})[(m.group, m.logical)] = m.block
         self.witness["state_block_moved"] += 1
 
     def _copy(self, c: CopyObs) -> None:
@@ -1018,7 +1024,37 @@ class Checker:
                                f"{lg} maps to {what}",
                             step=pp.step, rid=rs.rid, block=blk)
                     return
+            if g.spec.holds_state and self._state_clash(pp, gi, g, table, when):
+                return
         self._check_content(pp, when)
+
+    def _state_clash(self, pp: _Pending, gi: int, g: Group, table: tuple[int, ...],
+                     when: str) -> bool:
+        """A Mamba step writes its running state and one state per draft into
+        the ``1 + spec`` slots from ``s = (end - 1) // B`` of its table; the
+        next step starts from the one its acceptance picks, so each must land
+        in a block of its own (one block at two of those slots keeps only the
+        later state)."""
+        B = self.Bs[gi]
+        s = (pp.end - 1) // B
+        base = pp.end - pp.rs.spec
+        seen: dict[int, int] = {}
+        for j in range(pp.rs.spec + 1):
+            if s + j >= len(table) or table[s + j] == NULL:
+                continue
+            blk = table[s + j]
+            if blk in seen:
+                i = seen[blk]
+                self._v(2, f"step {pp.step} ({when}) computes {pp.rs.rid} positions "
+                           f"[{pp.start}, {pp.end}) and writes the Mamba states after "
+                           f"positions {base - 1 + i} and {base - 1 + j} ({g.label()}) into "
+                           f"one block, {blk}, named at slots {s + i} and {s + j} of the "
+                           f"worker's table: the next step starts from the first if "
+                           f"{i} draft(s) are accepted, and it holds the second",
+                        step=pp.step, rid=pp.rs.rid, block=blk)
+                return True
+            seen[blk] = j
+        return False
 
     # ------------------------------------------------------------ KV content
 
@@ -1303,6 +1339,7 @@ class Checker:
         flight). A later FreeObs is matched here, so a re-admitted request
         may take new blocks at the same slots meanwhile."""
         kept = self.holder.of(rid)
+        self._moved.pop(rid, None)  # a resumed request's worker row is replaced
         for key in kept:  # (still counted in _nheld: a detached entry owes its free)
             self.detached[(*key, self.holder.pop(key))] += 1
         if not (preempted and self._scheduling):

@@ -140,6 +140,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "models with n-gram drafts",
         ("--kind", "hybrid", *_PC, "--spec-tokens", "2", "--no-external", *_ASYNC),
         frozenset({2, 3})),
+    Mutant("mamba-drafts-control", "", "", "",
+           "the unmodified release, Mamba align mode with drafts of a block or more, sync",
+           ("--kind", "mamba", *_PC, "--spec-tokens", "4", "--block-size", "4",
+            "--no-external", "--depth", "1"), frozenset(), "survives"),
+    Mutant(
+        "mamba-align-hides-relocated-block", CORE + "single_type_kv_cache_manager.py",
+        "                returned_blocks = req_blocks[prev_block_len:]\n",
+        "                returned_blocks = [b for b in req_blocks[prev_block_len:] if b.is_null]\n",
+        "Mamba's align mode does not tell the worker where a relocated speculative block "
+        "went: the worker's append-only table misses that slot, the scheduler's is right",
+        ("--kind", "mamba", "--spec-tokens", "2", "--no-external", *_ASYNC), frozenset({2})),
+    Mutant(
+        "mamba-align-hides-null-padding", CORE + "single_type_kv_cache_manager.py",
+        "                returned_blocks = req_blocks[prev_block_len:]\n",
+        "                returned_blocks = [b for b in req_blocks[prev_block_len:]"
+        " if not b.is_null]\n",
+        "Mamba's align mode does not hand the worker the NULL slots a long chunk skips: the "
+        "worker's table shifts the states after them down, the scheduler's is right",
+        ("--kind", "mamba", "--spec-tokens", "4", "--block-size", "4", "--no-external",
+         "--depth", "1"), frozenset({2})),
     Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",

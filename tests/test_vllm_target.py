@@ -347,9 +347,7 @@ def test_mamba_runs_in_align_mode_and_keeps_only_the_last_state_of_a_chunk():
     assert list(read_blocks(cfg.groups[0], 0, 32, 16)) == [1]
 
 
-@pytest.mark.parametrize("over,why", [({"prefix_caching": False}, "max_model_len"),
-                                      ({"spec_tokens": 16, "max_num_batched_tokens": 64},
-                                       "fewer drafts than the block size")])
+@pytest.mark.parametrize("over,why", [({"prefix_caching": False}, "max_model_len")])
 def test_mamba_layouts_vllm_does_not_build_are_refused(over, why):
     kw = dict(block_size=16, prefix_caching=True, spec_tokens=0, depth=2)
     kw.update(over)
@@ -376,8 +374,9 @@ def test_mamba_drafts_hold_a_state_block_each_and_relocation_is_a_move():
     """Align mode with two drafts: a step's table reaches two slots past its
     running state (num_speculative_blocks), and when a prefill chunk moves the
     running state two blocks on, the speculative block left behind moves to
-    the end of the table (_relocate_speculative_block): a MoveObs, the old
-    slot NULL, no reference dropped, and every property holds."""
+    the end of the table (_relocate_speculative_block): a MoveObs, no
+    reference dropped, and every property holds. The step reads the worker's
+    table, which vLLM only appends to: it names the block at both slots."""
     from model.observations import MoveObs
     from properties.replay import replay
 
@@ -394,7 +393,7 @@ def test_mamba_drafts_hold_a_state_block_each_and_relocation_is_a_move():
     assert [(m.rid, m.logical, m.to) for m in moves] == [("r1", 1, 3)]
     second = {r.rid: r for r in step_of(obs[4]).reqs}["r1"]
     assert (second.start, second.end) == (16, 48)
-    assert second.tables[0][1] == NULL and second.tables[0][3] == first.tables[0][1]
+    assert second.tables[0][1] == second.tables[0][3] == first.tables[0][1] != NULL
     assert len(second.tables[0]) == 48 // 16 + 2
     assert replay(Trace(cfg, evs), "vllm@" + FIXED).first is None
 

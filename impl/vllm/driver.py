@@ -965,21 +965,24 @@ class Driver:
     def _worker_view(self, rid: str, step: int, tables: tuple[tuple[int, ...], ...]
                      ) -> tuple[tuple[int, ...], ...]:
         """``tables`` (the scheduler's) with the worker's row in the groups it is
-        reported for. The two agree but where the scheduler has NULL since:
-        a slot it freed, or a speculative Mamba block it relocated (the worker
-        still names it there, and at its new slot)."""
+        reported for. vLLM keeps the two in step but where the scheduler has
+        NULL since: a slot it freed, or a speculative Mamba block it relocated
+        (the worker still names it there, and at its new slot). In the other
+        groups a departure raises; in the reported ones the properties judge
+        it (a step reading a block its request does not hold there)."""
         row = self.wtable.get(rid)
         if row is None:
             raise InstrumentationError(f"step {step}: request {rid} is scheduled but the "
                                        "worker has no block table for it")
         out = list(tables)
         for gi, (w, t) in enumerate(zip(row, tables, strict=True)):
-            if len(w) != len(t) or any(a != b and b != NULL for a, b in zip(w, t, strict=True)):
+            if gi in self.worker_groups:
+                out[gi] = tuple(w)  # what it names where, the properties judge
+            elif len(w) != len(t) or any(a != b and b != NULL
+                                         for a, b in zip(w, t, strict=True)):
                 raise InstrumentationError(
                     f"step {step}: request {rid} group {gi}: the worker's block table {w} "
                     f"departs from the scheduler's {list(t)} other than at NULL slots")
-            if gi in self.worker_groups:
-                out[gi] = tuple(w)
         return tuple(out)
 
     def _process(self, ev: Process) -> None:

@@ -1,0 +1,70 @@
+"""Mamba in vLLM's align mode with drafts of a block or more (``K >= B``).
+
+A Mamba step's blocks are read through the model runner's block table, which
+the driver builds from the scheduler outputs as vLLM's model runners do
+(append-only for a running request); the checker takes the state a step
+starts from where the worker does (the step before's running slot plus its
+accepted drafts). Finding 10 (findings/README.md) is where the two tables
+part ways on a real bug."""
+
+from pathlib import Path
+
+import pytest
+
+from model.events import Trace
+from model.observations import NULL, MoveObs, StepObs
+from properties.replay import replay
+from tests.vllm_targets import vllm_target
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+FINDING = ROOT / "findings" / "mamba-align-relocated-block-written-twice.json"
+RUNNING_SLOT = ROOT / "traces" / "vllm" / "mamba-drafts-state-in-running-slot-0.33.0.json"
+
+
+def test_a_relocated_block_stays_at_its_old_slot_of_the_worker_table():
+    """Step 4 of finding 10: vLLM relocates speculative block 9 from slot 4 to
+    slot 8 of the scheduler's table (NULL at 4) and hands the worker [9, 3] to
+    append: the table the step is reported with names block 9 at both."""
+    t = Trace.load(FINDING)
+    target = vllm_target("0.33.0")
+    target.reset(t.config)
+    obs = [target.apply(ev) for ev in t.events[:10]]
+    moves = [it for o in obs for it in o.items if isinstance(it, MoveObs)]
+    assert [(m.block, m.logical, m.to) for m in moves] == [(9, 4, 8)]
+    (step,) = [it for it in obs[9].items if isinstance(it, StepObs)]
+    (rs,) = step.reqs
+    assert rs.tables[0] == (NULL, 6, 7, 8, 9, 10, 5, 4, 9, 3)
+
+
+def test_a_shifted_step_starts_from_the_running_slot_of_the_step_before():
+    """With four drafts of 4-token blocks the state after a rejected decode
+    lies in the step's running slot, (e - 1) // B, not in the slot of its
+    position (NULL there): the trace holds on 0.33.0, and the same reads
+    taken at the slot of the position are a NULL read."""
+    t = Trace.load(RUNNING_SLOT)
+    assert replay(t, "vllm@0.33.0").first is None
+    steps = [it for o in _observe(t) for it in o.items if isinstance(it, StepObs)]
+    shifted = steps[-1].reqs[0]
+    assert (shifted.start, shifted.end) == (9, 14) and shifted.spec == 4
+    assert shifted.tables[0][(5 - 1) // 4] == NULL  # the slot of position 4
+    assert shifted.tables[0][(9 - 1) // 4] != NULL  # the running slot of [4, 9)
+
+
+def test_finding_10_is_the_shifted_step_writing_one_block_twice():
+    """Once step 3's drafts are rejected, step 4 computes [12, 17) and writes
+    its running state and its fourth draft's state into block 9; before the
+    rejection (the same events up to it) everything holds."""
+    t = Trace.load(FINDING)
+    bad = replay(t, "vllm@0.33.0").first
+    assert bad is not None and bad.prop == 2 and bad.step == 4 and bad.block == 9, bad
+    assert "slots 4 and 8 of the worker's table" in bad.message
+    assert bad.event_index == len(t.events) - 1
+    assert replay(Trace(t.config, t.events[:-1]), "vllm@0.33.0").first is None
+
+
+def _observe(t: Trace):
+    target = vllm_target("0.33.0")
+    target.reset(t.config)
+    return [target.apply(ev) for ev in t.events]
