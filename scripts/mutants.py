@@ -158,8 +158,8 @@ MUTANTS: tuple[Mutant, ...] = (
         " if not b.is_null]\n",
         "Mamba's align mode does not hand the worker the NULL slots a long chunk skips: the "
         "worker's table shifts the states after them down, the scheduler's is right",
-        ("--kind", "mamba", "--spec-tokens", "4", "--block-size", "4", "--no-external",
-         "--depth", "1"), frozenset({2})),
+        ("--kind", "mamba", "--spec-tokens", "0", "--no-external", "--depth", "1"),
+        frozenset({2})),
     Mutant(
         "hybrid-sliding-one-short", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens",

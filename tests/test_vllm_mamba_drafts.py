@@ -24,18 +24,19 @@ RUNNING_SLOT = ROOT / "traces" / "vllm" / "mamba-drafts-state-in-running-slot-0.
 
 
 def test_a_relocated_block_stays_at_its_old_slot_of_the_worker_table():
-    """Step 4 of finding 10: vLLM relocates speculative block 9 from slot 4 to
-    slot 8 of the scheduler's table (NULL at 4) and hands the worker [9, 3] to
-    append: the table the step is reported with names block 9 at both."""
+    """Step 2 of finding 10: vLLM relocates speculative block 3 from slot 2 to
+    slot 6 of the scheduler's table (NULL at 2) and hands the worker [3, 7] to
+    append: the table the step is reported with names block 3 at both."""
     t = Trace.load(FINDING)
     target = vllm_target("0.33.0")
     target.reset(t.config)
-    obs = [target.apply(ev) for ev in t.events[:10]]
+    obs = [target.apply(ev) for ev in t.events[:5]]
     moves = [it for o in obs for it in o.items if isinstance(it, MoveObs)]
-    assert [(m.block, m.logical, m.to) for m in moves] == [(9, 4, 8)]
-    (step,) = [it for it in obs[9].items if isinstance(it, StepObs)]
+    assert [(m.block, m.logical, m.to) for m in moves] == [(3, 2, 6)]
+    (step,) = [it for it in obs[4].items if isinstance(it, StepObs)]
     (rs,) = step.reqs
-    assert rs.tables[0] == (NULL, 6, 7, 8, 9, 10, 5, 4, 9, 3)
+    assert (rs.start, rs.end, rs.spec) == (8, 13, 4)
+    assert rs.tables[0] == (1, 2, 3, 4, 5, 6, 3, 7)
 
 
 def test_a_shifted_step_starts_from_the_running_slot_of_the_step_before():
@@ -53,13 +54,13 @@ def test_a_shifted_step_starts_from_the_running_slot_of_the_step_before():
 
 
 def test_finding_10_is_the_shifted_step_writing_one_block_twice():
-    """Once step 3's drafts are rejected, step 4 computes [12, 17) and writes
-    its running state and its fourth draft's state into block 9; before the
+    """Once step 1's drafts are rejected, step 2 computes [4, 9) and writes
+    its running state and its fourth draft's state into block 3; before the
     rejection (the same events up to it) everything holds."""
     t = Trace.load(FINDING)
     bad = replay(t, "vllm@0.33.0").first
-    assert bad is not None and bad.prop == 2 and bad.step == 4 and bad.block == 9, bad
-    assert "slots 4 and 8 of the worker's table" in bad.message
+    assert bad is not None and bad.prop == 2 and bad.step == 2 and bad.block == 3, bad
+    assert "slots 2 and 6 of the worker's table" in bad.message
     assert replay(Trace(t.config, t.events[:-1]), "vllm@0.33.0").first is None
 
 
