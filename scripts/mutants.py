@@ -140,11 +140,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "models with n-gram drafts",
         ("--kind", "hybrid", *_PC, "--spec-tokens", "2", "--no-external", *_ASYNC),
         frozenset({2, 3})),
-    Mutant("mamba-drafts-control", "", "", "",
-           "the unmodified release, Mamba align mode with drafts of one token short of the "
-           "block (K >= B stops at finding 10)",
-           ("--kind", "mamba", *_PC, "--spec-tokens", "3", "--block-size", "4",
-            "--no-external"), frozenset(), "survives"),
     Mutant(
         "mamba-align-hides-relocated-block", CORE + "single_type_kv_cache_manager.py",
         "                returned_blocks = req_blocks[prev_block_len:]\n",
