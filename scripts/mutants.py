@@ -560,9 +560,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the reference hands a step all its queued copies but the first",
         _PARTIAL, frozenset({2}), subject="reference", min_examples=400, max_events=20),
     # property 6 on vLLM: the sync Scheduler beside the reference under settled
-    Mutant("control-sync", "", "", "", "the unmodified release at depth 1 (sync Scheduler), "
-           "property 6's reference twin beside it",
-           ("--kind", "sliding", "--depth", "1"), frozenset(), "survives"),
+    # (the unmodified release at depth 1: tests/test_twin_vllm.py)
     Mutant(
         "sync-window-free-one-block-late", CORE + "kv_cache_manager.py",
         "max(0, total_computed_tokens - request.num_in_flight_tokens),",

@@ -59,7 +59,7 @@ def _run(target, cfg, events):
 def test_unmodified_vllm_at_depth_one_is_silent_and_compared(version, kind):
     """Drafts, prefix caching, preemption and failed loads drawn; property 6
     alone judged (0.25.1's and 0.33.0's failed-load findings are property 2)."""
-    res = _fuzz(vllm_target(version), 120, 5, kind=kind, depth=1, props=frozenset({6}))
+    res = _fuzz(vllm_target(version), 80, 5, kind=kind, depth=1, props=frozenset({6}))
     assert res.crash is None, res.crash
     assert res.violation is None, res.violation
     assert "twin_compared" in res.stats.expected and not res.vacuous, res.vacuous
@@ -78,7 +78,8 @@ def test_a_sync_only_slip_in_vllm_is_caught_by_property_6(tmp_path):
         # the same trace on the unmodified release: silent
         assert replay(res.trace, vllm_target("0.33.0")).first is None
         # safe: properties 1-5 and 7 accept it, and the run went where frees happen
-        safe = _fuzz(bad, 150, 1, kind="sliding", depth=1,
+        # (loads never fail: 0.33.0's failed-load finding 1 is property 2 at depth 1)
+        safe = _fuzz(bad, 150, 1, kind="sliding", depth=1, fail_loads=False,
                      props=frozenset({1, 2, 3, 4, 5, 7}))
         assert safe.violation is None and not safe.vacuous, (safe.violation, safe.vacuous)
     finally:
