@@ -27,9 +27,10 @@ same config under ``settled``, and the first difference is the violation:
   or a drafter the reference does not run (EAGLE, MTP).
 
 Measured with ``scripts/diff_sweep.py --depth 1 --compare letgo`` (README,
-property 6): on unmodified vLLM 0.25.1 and 0.33.0, every kind but Mamba,
-with and without prefix caching, drafts, preemption and failed loads, no
-event let go of different blocks while the steps agreed.
+property 6: 1,272 traces, 47,335 events compared): on unmodified vLLM 0.25.1
+and 0.33.0, every kind vLLM runs but Mamba, with and without prefix caching,
+drafts, preemption and failed loads, no event let go of different blocks
+while the steps agreed.
 """
 
 from __future__ import annotations
