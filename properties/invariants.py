@@ -89,8 +89,9 @@ WITNESSES = {
     "twin_parted": "an example where a vLLM target and its reference twin scheduled different "
                    "steps, or the twin could not take an event: property 6 compared the "
                    "events before it only",
-    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: a "
-                 "Mamba group, or a drafter, the reference does not model exactly)",
+    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: on "
+                 "vLLM a Mamba group or an EAGLE/MTP drafter, which the reference does not "
+                 "model exactly; SGLang, where the twin is not measured)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",

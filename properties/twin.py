@@ -23,8 +23,10 @@ same config under ``settled``, and the first difference is the violation:
   retention checkpoints only), not a freeing one. It parts too where the
   reference drops a failed load's slots below the window (DIFFERENCES.md, 1),
   or cannot take an event vLLM took. No twin (witness ``twin_none``) for a
-  Mamba group (vLLM's align mode schedules other steps from the first one)
-  or a drafter the reference does not run (EAGLE, MTP).
+  Mamba group (vLLM's align mode schedules other steps from the first one),
+  a drafter the reference does not run (EAGLE, MTP), or another fixed-policy
+  target (``sglang@VERSION``: the comparison was not measured there, so it
+  is not claimed).
 
 Measured with ``scripts/diff_sweep.py --depth 1 --compare letgo`` (README,
 property 6: 1,272 traces, 47,335 events compared): on unmodified vLLM 0.25.1
@@ -50,6 +52,8 @@ class Twin:
         self.parted: str | None = None  # why a reference twin of a vLLM stopped
         self.none = False  # depth 1, and no twin models this config exactly
         tc = twin_config(cfg, target.capabilities.fixed_policy)
+        if self.fixed and not target.name.startswith("vllm@"):
+            tc = None  # the reference twin is measured beside vLLM's Scheduler only
         if tc is None:
             self.none = self.fixed and cfg.depth == 1
             return
