@@ -11,6 +11,12 @@ Used to keep the reference manager faithful to vLLM: run the same trace on
 
 Physical ids agree only if both pools hand out blocks in the same order, which
 vLLM does not promise; the default compares the logical picture.
+
+``view="letgo"`` compares what property 6's twin compares on a vLLM target at
+depth 1 (:func:`properties.invariants.compare_letgo`): the steps, and while
+they agree the blocks let go; a difference in the steps ends the comparison
+as ``parted`` (a :class:`Difference` whose ``what`` starts with it), not as a
+disagreement.
 """
 
 from __future__ import annotations
@@ -62,9 +68,13 @@ def _fmt_steps(rows) -> str:
 
 
 def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool = False,
-         align_policy: bool = True) -> tuple[list[Difference], int]:
+         align_policy: bool = True, view: str = "all") -> tuple[list[Difference], int]:
     """Run ``trace`` on both; returns (differences, events compared). With
-    ``align_policy`` a reference side takes the policy the other side implements."""
+    ``align_policy`` a reference side takes the policy the other side implements.
+    ``view="letgo"``: property 6's comparison, ``right`` the target, ``left``
+    its twin (the reference under ``settled``; ``align_policy`` is off)."""
+    if view == "letgo":
+        align_policy = False
     lt = make_target(left) if isinstance(left, str) else left
     rt = make_target(right) if isinstance(right, str) else right
     lcfg = rcfg = trace.config
@@ -87,6 +97,18 @@ def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool =
 
             raise InvalidEvent(f"event {i} ({type(ev).__name__}) is not valid here: {e}") \
                 from None
+        if view == "letgo":
+            from properties.invariants import compare_letgo
+
+            v, why = compare_letgo(ev, ro, lo, rt.name, i)
+            if why is not None:
+                diffs.append(Difference(i, f"parted: {why.split(':')[0]}", why, ""))
+                break
+            if v is not None:
+                diffs.append(Difference(i, f"{type(ev).__name__}: blocks let go differ",
+                                        str(v), ""))
+                break
+            continue
         ls, rs = _steps(lo, physical), _steps(ro, physical)
         if ls != rs:
             diffs.append(Difference(i, f"{type(ev).__name__}: scheduled steps differ",
@@ -100,14 +122,16 @@ def diff(trace: Trace, left: Target | str, right: Target | str, physical: bool =
     return diffs, (diffs[0].index + 1 if diffs else len(trace.events))
 
 
-def random_config(kind: str, rng, policy: str = "settled") -> Config:
+def random_config(kind: str, rng, policy: str = "settled", **over) -> Config:
     """The differential sweep's config space (tests/test_differential.py,
     scripts/diff_sweep.py): requests of at most ``8B`` tokens
     (:func:`random_trace`) in a pool vLLM's engine starts with. Prefix caching
     on full attention only: vLLM 0.33.0 keeps sliding-window and Mamba blocks
     in the prefix cache only at its retained checkpoints
     (``prefix_cache_retention_interval``, default 0), which the reference,
-    caching every full block, does not mirror (docs/DIFFERENCES.md, 5)."""
+    caching every full block, does not mirror (docs/DIFFERENCES.md, 5).
+    ``over``: fields set after the draws (``depth=1``, ``prefix_caching=True``),
+    so a seed draws the same config otherwise."""
     from model.windows import startup_blocks
 
     B = rng.choice([4, 16])
@@ -118,6 +142,7 @@ def random_config(kind: str, rng, policy: str = "settled") -> Config:
         hazard=rng.choice(["ordered", "unordered"]),
         prefix_caching=rng.random() < 0.3 and kind == "full",
         window=rng.choice([4, 16, 24]), chunk=32, max_model_len=8 * B)
+    cfg = replace(cfg, **over)
     return replace(cfg, num_blocks=max(cfg.num_blocks, startup_blocks(cfg)))
 
 

@@ -21,8 +21,9 @@ block and the positions, in one line.
    ``c = p + f + loading``; ``f = 0`` when idle;
 5. ``admission-bound``: live blocks per request within the manager's bound;
 6. ``sync-unchanged``: at depth 1 a policy behaves exactly like ``settled``:
-   the runner feeds the same events to a twin of a configurable target set
-   to ``settled`` and :func:`compare_twin` finds the first difference;
+   the runner feeds the same events to a twin set to ``settled`` (the same
+   configurable target, or the reference beside a vLLM) and
+   :func:`compare_twin` / :func:`compare_letgo` find the first difference;
 7. ``progress``: a preemption inside ``schedule()`` lets go of something in
    that step (a victim whose blocks all wait behind in-flight steps frees
    nothing the scheduler can use, and the next victim follows); and, checked
@@ -86,6 +87,12 @@ WITNESSES = {
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
     "drained": "an example ended with every request run to completion (property 7)",
     "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
+    "twin_parted": "an example where a vLLM target and its reference twin scheduled different "
+                   "steps, or the twin could not take an event: property 6 compared the "
+                   "events before it only",
+    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: on "
+                 "vLLM a Mamba group or an EAGLE/MTP drafter, which the reference does not "
+                 "model exactly; SGLang, where the twin is not measured)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",
@@ -208,10 +215,19 @@ class _Holder(dict[tuple[str, int, int], int]):
         return list(self.by_rid.get(rid, ()))
 
 
-def twin_config(cfg: Config) -> Config | None:
+def twin_config(cfg: Config, fixed_policy: str | None = None) -> Config | None:
     """The config of property 6's twin: the same at depth 1 under ``settled``
-    (None: nothing to compare, the config is settled already or async)."""
-    if cfg.depth != 1 or cfg.policy == "settled":
+    (None: nothing to compare: async, or a configurable target's config is
+    settled already). ``fixed_policy``: the target implements one policy (a
+    vLLM); its twin is the reference target, and None where the reference does
+    not model the config exactly: a Mamba group (vLLM's align mode splits
+    prefills at block edges and keeps a chunk's last state only; the two
+    schedule different steps from the first one, docs/DIFFERENCES.md)."""
+    if cfg.depth != 1:
+        return None
+    if fixed_policy is None:
+        return None if cfg.policy == "settled" else replace(cfg, policy="settled")
+    if any(g.spec.holds_state for g in cfg.groups):
         return None
     return replace(cfg, policy="settled")
 
@@ -232,6 +248,66 @@ def compare_twin(ev: Event, mine: Observed, twin: Observed, policy: str,
     return Violation(6, f"at depth 1 {policy} and settled part at {type(ev).__name__}: "
                         f"{policy} gives {here}, settled gives {there}",
                      event_index=event_index)
+
+
+def _shares(obs: Observed) -> list[tuple[str, int, int, int, int]]:
+    """The steps an event scheduled, as (request, start, end, drafts, loaded)."""
+    return sorted((r.rid, r.start, r.end, r.spec, r.loaded)
+                  for it in obs.items if type(it) is StepObs for r in it.reqs)
+
+
+def _letgo(obs: Observed) -> list[tuple[str, int, int, str]]:
+    """The blocks an event let go, as (request, group, logical slot, reason);
+    every block of a request that ends in the event (a FinishObs, or a finish
+    or abort free) as ``end``, its out-of-window frees included, and the
+    out-of-window frees of a request preempted in it as ``preempt``: vLLM
+    0.25.1's connector finish frees an ending request's blocks below the
+    window of its optimistic count as window frees first, some or all of
+    them, the same blocks in the same event (docs/DIFFERENCES.md, 4 D and E)."""
+    ends: dict[str, str] = {}
+    for it in obs.items:
+        if type(it) is FinishObs or (type(it) is FreeObs and it.reason in ("finish", "abort")):
+            ends[it.rid] = "end"
+        elif type(it) is FreeObs and it.reason == "preempt":
+            ends.setdefault(it.rid, "preempt")
+    return sorted((f.rid, f.group, f.logical,
+                   ends.get(f.rid, f.reason) if f.reason in ("window", "finish", "abort")
+                   else f.reason)
+                  for f in obs.items if type(f) is FreeObs)
+
+
+def compare_letgo(ev: Event, mine: Observed, twin: Observed, target: str,
+                  event_index: int) -> tuple[Violation | None, str | None]:
+    """Property 6 on a target with a fixed policy (vLLM) beside the reference
+    under ``settled``, at depth 1, on what both model exactly: while the two
+    schedule the same steps (requests, positions, drafts, loaded tokens), each
+    event must let go of the same blocks (request, group, logical slot; a
+    window free or the end of the request). Returns (violation, why the twin
+    parts): where the steps differ (a scheduling difference of the two
+    managers, docs/DIFFERENCES.md, not a freeing one) or the reference drops
+    slots of a failed load below the window (DIFFERENCES.md, 1: vLLM frees
+    nothing there) the twin stops, with no verdict."""
+    a, b = _shares(mine), _shares(twin)
+    if a != b:
+        return None, f"the steps differ at {type(ev).__name__}: {target} {a}, settled {b}"
+    if any(type(f) is FreeObs and f.reason == "failed_load" for f in twin.items):
+        return None, "the reference drops a failed load's slots below the window"
+    x, y = _letgo(mine), _letgo(twin)
+    if x == y:
+        return None, None
+    extra, missing = sorted((Counter(x) - Counter(y)).elements()), \
+        sorted((Counter(y) - Counter(x)).elements())
+    rid, group, logical, why = (extra or missing)[0]
+    block = next((f.block for f in mine.items if type(f) is FreeObs and f.rid == rid
+                  and f.group == group and f.logical == logical), None)
+    what = "out of window" if why == "window" else why
+    side = (f"{target} lets go of {rid}'s logical block {logical} (group {group}, {what}) "
+            f"and the settled reference does not" if extra else
+            f"the settled reference lets go of {rid}'s logical block {logical} "
+            f"(group {group}, {what}) and {target} does not")
+    return Violation(6, f"at depth 1, {type(ev).__name__}: {side} (it lets go of "
+                        f"{x or 'nothing'}, settled of {y or 'nothing'})",
+                     rid=rid, block=block, event_index=event_index), None
 
 
 def expected_witnesses(cfg: Config) -> set[str]:

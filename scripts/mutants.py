@@ -575,6 +575,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "            ), tuple((src, dst) for *_, src, dst in copies[1:])))\n",
         "the reference hands a step all its queued copies but the first",
         _PARTIAL, frozenset({2}), subject="reference", min_examples=400, max_events=20),
+    # property 6 on vLLM: the sync Scheduler beside the reference under settled
+    # (the unmodified release at depth 1: tests/test_twin_vllm.py)
+    Mutant(
+        "sync-window-free-one-block-late", CORE + "kv_cache_manager.py",
+        "max(0, total_computed_tokens - request.num_in_flight_tokens),",
+        "max(0, total_computed_tokens - (request.num_in_flight_tokens\n"
+        "                                            or self.coordinator.scheduler_block_size)),",
+        "with nothing in flight (every schedule of the sync Scheduler) allocate_slots frees on "
+        "the count one block back: window frees one block late, safe, sync behaviour only",
+        ("--kind", "sliding", "--depth", "1"), frozenset({6})),
 )
 
 
