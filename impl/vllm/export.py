@@ -78,9 +78,6 @@ def _check(trace: Trace) -> None:
     if any(g.draft for g in cfg.groups):
         raise ExportError("a drafter's own group (draft: true) is not built by the exported "
                           "test (its EAGLE layer shares the first group)")
-    if cfg.prefix_match_unit:
-        raise ExportError("hits inside a block (prefix_match_unit) are not modeled by the "
-                          "exported test (the worker's block copies, Mamba's copied states)")
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
