@@ -4,6 +4,8 @@ scheduler.
 Shows on vllm@0.33.0+findings/fixes/failed-load-recovery-preempted-sharers-and-mamba-
 align.diff: property 2 (null-read): step 2 (scheduled) computes r1 positions [0, 8);
 position 4 reads [3, 4] (mamba) but logical block 1 maps to the NULL block
+Passes with findings/fixes/failed-load-recovery-preempted-sharers-and-mamba.diff
+applied.
 
 Config: mamba B=4 blocks=9 depth=2 spec=0 policy=settled hazard=unordered prefix-caching
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs
