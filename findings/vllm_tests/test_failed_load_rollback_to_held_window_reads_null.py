@@ -15,7 +15,10 @@ It builds the scheduler the way vLLM's own unit tests do (``VllmConfig`` of
 a test KV connector registered with ``KVConnectorFactory`` under this module's
 name, the KV-cache layout from vLLM's planner as the engine core plans it),
 replays the events through ``schedule()`` / ``update_from_output()`` and keeps,
-for every slot of every block, which token prefix's KV it holds. It asserts
+for every slot of every block, which token prefix's KV it holds (the block
+copies a step hands the worker, ``kv_cache_block_copies``, run before its
+forward as the worker runs them: every source read before any destination is
+written). It asserts
 property 2 on vLLM's own objects: every position a scheduled step reads below
 its start, through the block table ``schedule()`` handed out, holds KV written
 for the request's own tokens (not the NULL block, not a block a failed load
