@@ -587,10 +587,11 @@ CONFIG = {'groups': [{'kind': 'full'}],
  'hazard': 'unordered',
  'prefix_caching': True}
 EVENTS = [('add', 'r0',
-  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045, 6964,
-   14883, 22802, 30721],
+  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045,
+   6964, 14883, 22802, 30721],
   1, 1),
- ('schedule',), ('fail_load', 'r0', 0), ('process', {}), ('preempt', 'r0'), ('schedule',)]
+ ('schedule',), ('fail_load', 'r0', 0), ('process', {}), ('preempt', 'r0'),
+ ('schedule',)]
 
 
 def test_failed_load_prefix_hit_reads_missing_kv(tmp_path):

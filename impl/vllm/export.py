@@ -124,7 +124,7 @@ def vllm_test_source(trace: Trace, name: str) -> str:
     return (
         f'"""{_docstring(trace, name)}\n"""\n\n{harness}\n\n'
         f"CONFIG = {pprint.pformat(cfg, width=96, sort_dicts=False)}\n"
-        f"EVENTS = {pprint.pformat(events, width=96, compact=True)}\n\n\n"
+        f"EVENTS = {pprint.pformat(events, width=90, compact=True)}\n\n\n"
         f"def test_{_identifier(name)}(tmp_path):\n"
         f"    sched, hasher = make_scheduler(CONFIG, tmp_path)\n"
         f"    Replay(CONFIG, sched, hasher).run(EVENTS)\n"
