@@ -132,3 +132,28 @@ def test_fail_policy_is_validated_and_saved_only_when_set(tmp_path):
     d["config"]["kv_load_failure_policy"] = "retry"
     with pytest.raises(TraceError, match="kv_load_failure_policy"):
         Trace.from_json(d)
+
+
+# Finding 8: a failed load on several KV-cache groups ends the releases' engine,
+# so the vLLM target offers FailLoad on hybrids only where its tree survives it,
+# decided by running the finding's shape on that tree (not from the spec's name)
+@pytest.mark.vllm
+def test_failed_loads_on_hybrids_only_where_the_tree_survives_them():
+    from impl.vllm import VllmTarget
+
+    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
+    fixed = _target(f"0.33.0+{crash.meta['fixed_by']}")
+    for spec, survives in (("0.33.0", False), (fixed, True)):
+        t = VllmTarget(spec)
+        try:
+            assert t.hybrid_failed_loads() is survives, spec
+            t.reset(crash.config)
+            t.apply_many(list(crash.events[:2]))  # r0's load in flight
+            assert t.can_apply(crash.events[2]) is survives, spec
+        finally:
+            t.close()
+    # the same tree under another name: the same answer
+    from impl.vllm import resolve
+
+    tree = resolve(fixed).path[0]
+    assert VllmTarget(str(tree)).hybrid_failed_loads() is True

@@ -16,7 +16,10 @@ It builds the scheduler the way vLLM's own unit tests do (``VllmConfig`` of
 a test KV connector registered with ``KVConnectorFactory`` under this module's
 name, the KV-cache layout from vLLM's planner as the engine core plans it),
 replays the events through ``schedule()`` / ``update_from_output()`` and keeps,
-for every slot of every block, which token prefix's KV it holds. It asserts
+for every slot of every block, which token prefix's KV it holds (the block
+copies a step hands the worker, ``kv_cache_block_copies``, run before its
+forward as the worker runs them: every source read before any destination is
+written). It asserts
 property 2 on vLLM's own objects: every position a scheduled step reads below
 its start, through the block table ``schedule()`` handed out, holds KV written
 for the request's own tokens (not the NULL block, not a block a failed load
@@ -82,6 +85,7 @@ EAGLE_CONFIG = {
     "rope_theta": 10000.0,
 }
 FAILED = ("failed load",)  # what a slot holds after a failed load into it
+EMPTY_COPY = ("empty copy",)  # a copy's destination whose source held nothing
 
 
 @dataclasses.dataclass
@@ -161,8 +165,10 @@ def make_scheduler(cfg: dict, tmp: Path) -> tuple[Any, Any]:
     async_, pp = depth > 1, max(1, depth - 1)
     model = ModelConfig(model=str(tmp / "model"), skip_tokenizer_init=True,
                         max_model_len=cfg["max_model_len"])
+    # prefix_match_unit: hashes (and hits) every that many tokens, inside a block
     cache = CacheConfig(block_size=cfg["block_size"],
-                        enable_prefix_caching=cfg["prefix_caching"])
+                        enable_prefix_caching=cfg["prefix_caching"],
+                        prefix_match_unit=cfg.get("prefix_match_unit"))
     if "mamba" in kinds:
         cache.mamba_cache_mode = "align"
     parallel = ParallelConfig(pipeline_parallel_size=pp)
@@ -206,6 +212,8 @@ def make_scheduler(cfg: dict, tmp: Path) -> tuple[Any, Any]:
         kv_cache_utils.resolve_kv_cache_block_sizes
     block_size, hash_block_size = resolve(kvc, vc)
     kvc.hash_block_size = hash_block_size
+    kvc.cache_hit_alignment_tokens = kv_cache_utils.resolve_cache_hit_alignment_tokens(
+        kvc, vc, block_size, hash_block_size)
     assert kvc.num_blocks == cfg["num_blocks"] and block_size == cfg["block_size"]
     cache.num_gpu_blocks = kvc.num_blocks
     cls = AsyncScheduler if async_ else Scheduler
@@ -263,6 +271,7 @@ class Replay:
         self.pending: deque[Step] = deque()
         self.garbage: dict[tuple[int, str], str] = {}  # (step, rid) -> what it read
         self.queued: list[tuple] = []
+        self.copies: list[tuple[int, int]] = []  # handed out with steps that ran nothing
         self.steps = 0
         for kind, param in self.kinds:
             if kind == "sink":
@@ -321,6 +330,9 @@ class Replay:
     def ev_schedule(self) -> None:
         out = self.sched.schedule()
         self._forget_released()
+        # the block copies the worker runs before this step's forward
+        self.copies += [(c.src_block_id, c.dst_block_id)
+                        for c in getattr(out, "kv_cache_block_copies", None) or ()]
         if not out.total_num_scheduled_tokens:
             return
         n, self.steps = self.steps, self.steps + 1
@@ -345,26 +357,39 @@ class Replay:
                         for off in range(self.B):
                             self.content.pop((b, off), None)
             self.tables[part.rid] = [list(t) for t in part.tables]
-        # every write of the step lands before any read (each layer writes, then attends)
+        self._run_copies(n)
+        # every write of the step lands before any read (each layer writes, then
+        # attends); a Mamba chunk reads the state before it and writes its own
+        # after, in place when both lie in one block (a hit inside a block)
         for part in parts.values():
-            for g, tab in enumerate(part.tables):
-                written = range(part.start - part.loaded, part.end)
-                if self.kinds[g][0] == "mamba":  # a state per chunk: after its last position
-                    written = [q for q in (part.start - 1, part.end - 1)
-                               if q >= part.start - part.loaded and q >= 0]
-                for q in written:
-                    i, off = self._slot(g, q)
-                    kind = self.kinds[g][0]
-                    if q < part.start and (i >= len(tab) or tab[i] == self.null):
-                        continue  # a load skips the blocks outside the window
-                    assert i < len(tab) and tab[i] != self.null, (
-                        f"property 2 (null-read): step {n} (scheduled) computes {part.rid} "
-                        f"positions [{part.start}, {part.end}); position {q} ({kind}) reads "
-                        f"its own KV, but logical block {i} maps to the NULL block")
-                    self.content[(tab[i], off)] = (self._key(part.rid, g, q), n, part.rid)
+            self._write(n, part, states=False)
         for part in parts.values():
             self._check_reads(n, part)
+        for part in parts.values():
+            self._write(n, part, states=True)
         self.pending.append(Step(n, out, parts))
+
+    def _write(self, n: int, part: Part, states: bool) -> None:
+        """The KV ``part`` writes (its loaded and computed positions), or with
+        ``states`` the Mamba state it computes (after its last position)."""
+        for g, tab in enumerate(part.tables):
+            kind = self.kinds[g][0]
+            written = range(part.start - part.loaded, part.end)
+            if kind == "mamba":  # a state per chunk: after its last position
+                written = [q for q in (part.start - 1, part.end - 1)
+                           if q >= part.start - part.loaded and q >= 0
+                           and (q >= part.start) == states]
+            elif states:
+                continue
+            for q in written:
+                i, off = self._slot(g, q)
+                if q < part.start and (i >= len(tab) or tab[i] == self.null):
+                    continue  # a load skips the blocks outside the window
+                assert i < len(tab) and tab[i] != self.null, (
+                    f"property 2 (null-read): step {n} (scheduled) computes {part.rid} "
+                    f"positions [{part.start}, {part.end}); position {q} ({kind}) reads "
+                    f"its own KV, but logical block {i} maps to the NULL block")
+                self.content[(tab[i], off)] = (self._key(part.rid, g, q), n, part.rid)
 
     def _check_reads(self, n: int, part: Part) -> None:
         for g, tab in enumerate(part.tables):
@@ -400,10 +425,31 @@ class Replay:
                     + (" (its EAGLE draft KV is built with the next token)"
                        if self.eagle and g == 0 else ""))
 
+    def _run_copies(self, n: int) -> None:
+        """The copies of a prefix hit ending inside a block (into the request's
+        private block) and of Mamba's partial states (into the block that keeps
+        the cache entry), run by the worker as one gather and one scatter
+        (``copy_kv_cache_blocks_inplace``: ``blocks[dst] = blocks[src]``): every
+        destination, a block handed out afresh, gets what its source held
+        before any of them was written."""
+        copies, self.copies = self.copies, []
+        for _, dst in copies:
+            for off in range(self.B):
+                self.content.pop((dst, off), None)
+        got = [(src, dst, [self.content.get((src, off)) for off in range(self.B)])
+               for src, dst in copies]
+        for src, dst, held in got:
+            for off, h in enumerate(held):
+                self.content[(dst, off)] = h if h is not None else (EMPTY_COPY, n, src)
+
     @staticmethod
     def _what(held: Any) -> str:
         if held is None:
             return "nothing written since the block was handed out"
+        if held[0] == EMPTY_COPY:
+            return (f"no KV: it is a copy of block {held[2]}, which held nothing when the "
+                    f"copies before step {held[1]} ran (a block handed out afresh, or one "
+                    f"another copy of the same step was to fill)")
         if held[0] == FAILED:
             return f"no valid KV: a connector load into it failed (step {held[1]}, {held[2]})"
         if isinstance(held[0], tuple) and held[0][0] == "sink":
@@ -543,14 +589,14 @@ CONFIG = {'groups': [{'kind': 'rswa', 'param': 1}],
  'hazard': 'unordered',
  'prefix_caching': True}
 EVENTS = [('add', 'r0',
-  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045, 6964,
-   14883, 22802, 30721, 6640, 14559, 22478, 30397, 6316, 14235, 22154, 30073, 5992, 13911,
-   21830, 29749, 5668, 13587, 21506],
+  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045,
+   6964, 14883, 22802, 30721, 6640, 14559, 22478, 30397, 6316, 14235, 22154, 30073, 5992,
+   13911, 21830, 29749, 5668, 13587, 21506],
   1, 16),
  ('add', 'r1',
-  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045, 6964,
-   14883, 22802, 30721, 6640, 14559, 22478, 30397, 6316, 14235, 22154, 30073, 5992, 13911,
-   21830, 29749, 5668, 13587, 21506, 29425],
+  [17, 7936, 15855, 23774, 31693, 7612, 15531, 23450, 31369, 7288, 15207, 23126, 31045,
+   6964, 14883, 22802, 30721, 6640, 14559, 22478, 30397, 6316, 14235, 22154, 30073, 5992,
+   13911, 21830, 29749, 5668, 13587, 21506, 29425],
   1, 0),
  ('schedule',), ('fail_load', 'r0', 0), ('preempt', 'r1'), ('process', {})]
 

@@ -170,7 +170,7 @@ from typing import Any
 
 from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
 from impl.worker import WorkerDied, WorkerProcess, flight_from_env, in_worker
-from model.events import AddRequest, Config, Event, FailLoad
+from model.events import AddRequest, Config, Event, FailLoad, Trace
 from model.observations import Observed
 from model.streams import EngineState
 
@@ -179,6 +179,8 @@ from . import compat
 __all__ = ["VllmTarget", "resolve"]
 
 READY_TIMEOUT_S = float(os.environ.get("KVCHECK_VLLM_START_TIMEOUT", "300"))
+# (tree, kv_load_failure_policy) -> whether FailLoad on several groups leaves vLLM running
+_HYBRID_FAILED_LOADS: dict[tuple[tuple[str, ...], str], bool] = {}
 
 
 # ------------------------------------------------------------ which vLLM
@@ -399,8 +401,10 @@ class VllmTarget:
         in_flight = compat.tracks_in_flight(self.inst.pkg)
         # config.policy is ignored: vLLM implements fixed_policy; external
         # tokens need hazard=unordered (a KV-consumer connector); FailLoad on
-        # several KV-cache groups crashes vLLM (findings/), so can_apply refuses
-        # it; depth 3-4 is pipeline parallelism (the module docstring)
+        # several KV-cache groups crashes the releases (findings/), so
+        # can_apply refuses it unless the tree survives it
+        # (hybrid_failed_loads); depth 3-4 is pipeline parallelism (the module
+        # docstring)
         self.capabilities = Capabilities(
             fixed_policy="settled" if in_flight else "optimistic",
             pinned={"mamba": (
@@ -409,6 +413,7 @@ class VllmTarget:
                  "Mamba with --prefix-caching on ('align' mode)"),
             )},
         )
+        self._fail_hybrid = False  # FailLoad on this config's groups: see hybrid_failed_loads
         self._reset_mirror()
 
     # -- process management
@@ -441,9 +446,44 @@ class VllmTarget:
 
     # -- the protocol
 
+    def hybrid_failed_loads(self, policy: str = "recompute") -> bool:
+        """Whether this tree survives a connector's block-level load failure on
+        a model of several KV-cache groups (``invalid_block_ids``; 0.25.1 and
+        0.33.0 end the engine: findings/failed-load-hybrid-crashes-*), under
+        ``kv_load_failure_policy=policy``. Decided once per tree and policy by
+        running that finding's shape on it (full + sliding, a 32-token load
+        failing from block 1, in a session of its own): it survives if vLLM
+        raises nothing."""
+        key = (self.inst.key, policy)
+        known = _HYBRID_FAILED_LOADS.get(key)
+        if known is None:
+            probe = Trace.from_json({"version": 1, "config": {
+                "groups": [{"kind": "full"}, {"kind": "sliding", "param": 4}],
+                "block_size": 16, "num_blocks": 24, "max_num_batched_tokens": 64,
+                "max_num_seqs": 4, "max_model_len": 128, "spec_tokens": 0, "depth": 2,
+                "policy": "settled", "hazard": "unordered", "prefix_caching": False,
+                "kv_load_failure_policy": policy}, "events": [
+                {"type": "AddRequest", "id": "r0", "prompt_len": 40, "max_new_tokens": 2,
+                 "external_tokens": 32},
+                {"type": "Schedule"}, {"type": "FailLoad", "id": "r0", "first_bad_block": 1},
+                {"type": "Process", "accepted": {}}, {"type": "Schedule"}]})
+            w = self._w()
+            session = next(w.sessions)
+            try:
+                reply = w.call("reset", session, probe.config)
+                if reply[0] == "ok":
+                    reply = w.call("apply", session, list(probe.events))
+                known = reply[0] == "ok"
+            finally:
+                _drop_session(w, session)
+            _HYBRID_FAILED_LOADS[key] = known
+        return known
+
     def reset(self, config: Config) -> Observed:
         if config.depth > self.capabilities.max_depth:
             raise Unsupported(f"{self.name}: depth {config.depth} > {self.capabilities.max_depth}")
+        self._fail_hybrid = (len(config.groups) > 1 and config.hazard == "unordered"
+                             and self.hybrid_failed_loads(config.kv_load_failure_policy))
         w = self._w()
         reply = w.call("reset", self._session, config)
         self._reset_mirror()
@@ -500,8 +540,8 @@ class VllmTarget:
             return False
         if type(event) is AddRequest:
             return not event.external_tokens or cfg.hazard == "unordered"
-        if type(event) is FailLoad:
-            return len(cfg.groups) == 1  # a known crash (findings/failed-load-hybrid-crashes-*)
+        if type(event) is FailLoad:  # on hybrids a known crash of the releases
+            return len(cfg.groups) == 1 or self._fail_hybrid
         return True
 
 

@@ -996,7 +996,7 @@ class Driver:
         for rid in rids:
             k = p.obs[rid].spec
             a = min(ev.accepted.get(rid, k), k)
-            if k:
+            if k or p.samples[rid]:  # a step with output (tokens or drafts)
                 accepted.append((rid, a))
             sampled.append([OUTPUT_TOKEN] * (1 + a) if p.samples[rid] else [])
         kv_out = None

@@ -78,9 +78,6 @@ def _check(trace: Trace) -> None:
     if any(g.draft for g in cfg.groups):
         raise ExportError("a drafter's own group (draft: true) is not built by the exported "
                           "test (its EAGLE layer shares the first group)")
-    if cfg.prefix_match_unit:
-        raise ExportError("hits inside a block (prefix_match_unit) are not modeled by the "
-                          "exported test (the worker's block copies, Mamba's copied states)")
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
@@ -127,7 +124,7 @@ def vllm_test_source(trace: Trace, name: str) -> str:
     return (
         f'"""{_docstring(trace, name)}\n"""\n\n{harness}\n\n'
         f"CONFIG = {pprint.pformat(cfg, width=96, sort_dicts=False)}\n"
-        f"EVENTS = {pprint.pformat(events, width=96, compact=True)}\n\n\n"
+        f"EVENTS = {pprint.pformat(events, width=90, compact=True)}\n\n\n"
         f"def test_{_identifier(name)}(tmp_path):\n"
         f"    sched, hasher = make_scheduler(CONFIG, tmp_path)\n"
         f"    Replay(CONFIG, sched, hasher).run(EVENTS)\n"
