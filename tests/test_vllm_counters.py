@@ -10,7 +10,8 @@ followed by a comparison of the fold with what vLLM's requests hold right
 then: computed and in-flight tokens, live blocks per group, status, for every
 request not finished; and no finished request whose blocks have all left it
 is still kept (it leaves the counters in the event its last block left it,
-as when every live request was listed).
+as when every live request was listed). A burst of 1,000 requests waiting at
+once lists what each event touched, never the 1,000.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _watch() -> tuple[dict[str, int], object]:
     from impl.vllm.driver import Driver
     from model.observations import LiveCounters, ReqCounters
 
-    seen = {"events": 0, "compared": 0, "listed": 0}
+    seen = {"events": 0, "compared": 0, "listed": 0, "most_listed": 0, "most_live": 0}
     folds: dict[int, LiveCounters] = {}
     reset, apply = Driver.reset, Driver.apply
 
@@ -57,7 +58,9 @@ def _watch() -> tuple[dict[str, int], object]:
         fold = folds[id(d)]
         fold.update(obs.counters)  # type: ignore[attr-defined]
         seen["events"] += 1
-        seen["listed"] += len(obs.counters.reqs)  # type: ignore[attr-defined]
+        n = len(obs.counters.reqs)  # type: ignore[attr-defined]
+        seen["listed"] += n
+        seen["most_listed"] = max(seen["most_listed"], n)
         truth = {}
         for rid, r in d.reqs.items():
             status = d._status(r)
@@ -74,6 +77,7 @@ def _watch() -> tuple[dict[str, int], object]:
         if stale:
             raise FoldMismatch(f"finished requests kept with no block left: {stale}")
         seen["compared"] += len(truth)
+        seen["most_live"] = max(seen["most_live"], len(truth))
 
     def reset_w(self: Driver, cfg: object) -> object:
         obs = reset(self, cfg)
@@ -93,8 +97,11 @@ def _watch() -> tuple[dict[str, int], object]:
     return seen, undo
 
 
-def fold_job(paths: list[str], runs: list[tuple[dict, int]]) -> dict[str, object]:
-    """In the worker: the traces' events, then the fuzz runs, watched."""
+def fold_job(paths: list[str], runs: list[tuple[dict, int]],
+             burst: Trace | None = None) -> dict[str, object]:
+    """In the worker: the traces' events, then the fuzz runs, watched; then
+    ``burst``'s events, watched, with the most requests one event listed and
+    the most live at once."""
     from impl.vllm.driver import Driver
     from properties.machine import FuzzSpec, fuzz
 
@@ -130,6 +137,12 @@ def fold_job(paths: list[str], runs: list[tuple[dict, int]]) -> dict[str, object
             res = fuzz(FuzzSpec(target=TARGET, **kw), examples=examples, seed=0,
                        minimize_trace=False)
             out["runs"].append((kw, res.stats.examples, res.verdict, res.crash))
+        if burst is not None:
+            seen["most_listed"] = seen["most_live"] = 0
+            d.reset(burst.config)
+            for ev in burst.events:
+                d.apply(ev)
+            out["burst"] = (seen["most_listed"], seen["most_live"], len(d.reqs), len(d.ended))
     finally:
         undo()
     out["seen"] = dict(seen)
@@ -146,11 +159,22 @@ RUNS = [
 ]
 
 
+def _burst(n: int) -> Trace:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvcheck_long_traces",
+                                                  ROOT / "scripts" / "long_traces.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.burst(n)
+
+
 def test_folded_counters_are_every_live_requests():
     paths = _traces()
     assert len(paths) >= 10
+    burst = _burst(1000)
     got = _call(TARGET, 0, "tests.test_vllm_counters:fold_job",
-                ([str(p) for p in paths], RUNS))
+                ([str(p) for p in paths], RUNS, burst))
     bad = {k: v for k, v in got["traces"].items() if isinstance(v, str) and "MISMATCH" in v}
     assert not bad, bad
     for kw, examples, _verdict, crash in got["runs"]:
@@ -161,3 +185,9 @@ def test_folded_counters_are_every_live_requests():
     # requests than were live (what the event touched, not what is live)
     assert seen["events"] > 2000, seen
     assert seen["listed"] < seen["compared"], seen
+    # 1,000 AddRequests before anything runs, a pool that holds 8: an event
+    # lists what it touched (at most the step's requests and one more), never
+    # the 1,000 waiting; every request ends and is forgotten
+    most_listed, most_live, kept, ended = got["burst"]
+    assert most_live == 1000 and most_listed <= burst.config.max_num_seqs + 1, got["burst"]
+    assert kept == 0 and ended == 1000, got["burst"]
