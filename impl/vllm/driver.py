@@ -430,12 +430,15 @@ class Driver:
     def _planned(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
         """:meth:`_plan`, once per config: vLLM's planner is a function of the
         config (the layer specs, the pool size, the VllmConfig built for the
-        config's shape), so a config planned before gets a copy of the same
+        config's shape), so a config planned before gets the same
         KVCacheConfig (its refusal: the same line), and ``vc`` gets the two
         fields the planner sets on it. The plans are shared by the drivers of
         the process (``vc`` is one built for ``cfg``'s shape, equal to any other
-        such). ``tests/test_vllm_reuse.py`` compares a scheduler built this way
-        to one of a fresh driver over a trace."""
+        such). vLLM writes to a KVCacheConfig only while planning it (the
+        scheduler, coordinator and managers read it), so the schedulers of one
+        config share one. ``tests/test_vllm_reuse.py`` compares a scheduler
+        built this way to one of a fresh driver over a trace, the layout after
+        the trace included."""
         key = cfg
         hit = self._plans.get(key)
         if hit is None:
@@ -450,7 +453,7 @@ class Driver:
             raise ConfigUnsupported(str(hit)) from None
         kvc, block_size, hash_block_size = hit
         compat.planned_on(vc, cfg.num_blocks)
-        return copy.deepcopy(kvc), block_size, hash_block_size
+        return kvc, block_size, hash_block_size
 
     def reset(self, cfg: Config) -> Observed:
         if cfg.max_model_len > MODEL_MAX_LEN:
