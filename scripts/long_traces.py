@@ -24,6 +24,13 @@ queue has room and the last one scheduled something, else Process::
     .venv/bin/python scripts/long_traces.py pairs 100000 /tmp/p100k.json
     .venv/bin/python scripts/long_traces.py burst 20000 /tmp/b20k.json
     /usr/bin/time -v ./kvcheck replay /tmp/r20k.json
+
+``cost SHAPE N...`` replays each shape of each size beside ``--target``
+(in its worker, as ``./kvcheck replay`` does, without the report) and prints
+the worker's CPU µs per event: flat rows mean an event costs what it
+touches, not what is live or what came before::
+
+    .venv/bin/python scripts/long_traces.py cost burst 500 2000 11000 --target vllm@0.33.0
 """
 
 from __future__ import annotations
@@ -173,8 +180,55 @@ def _config(kind: str, concurrency: int, prompt_len: int, max_new: int, depth: i
     )
 
 
+def timed_replay(trace: Trace, target: str) -> dict:
+    """In a worker: :func:`properties.replay.replay`, its CPU seconds, the
+    events it replayed and its verdict."""
+    import time
+
+    from properties.replay import replay
+
+    c0 = time.process_time()
+    res = replay(trace, target)
+    cpu = time.process_time() - c0
+    first = res.violations[0] if res.violations else None
+    return {"cpu_s": cpu, "rows": len(res.rows), "crash": res.crash,
+            "violations": len(res.violations), "first": str(first) if first else None}
+
+
+def cost(shape: str, sizes: list[int], target: str, kind: str, depth: int | None) -> int:
+    from impl.target import worker_for
+    from properties.jobs import _call
+
+    worker_for(target, 0)  # started before anything is timed
+    for n in sizes:
+        if shape == "requests":
+            t = request_stream(n, kind=kind, depth=depth or 2)
+        elif shape == "burst":
+            t = burst(n, kind=kind, depth=depth or 2)
+        else:
+            t = pair_stream(n, kind=kind, depth=depth or 1)
+        r = _call(target, 0, "scripts.long_traces:timed_replay", (t, target))
+        verdict = ("crash: " + r["crash"].splitlines()[0][:80] if r["crash"] else
+                   f"{r['violations']} violation(s)")
+        print(f"{shape} {n}: {len(t.events)} events, {r['rows']} replayed, {r['cpu_s']:.2f} s "
+              f"CPU, {1e6 * r['cpu_s'] / max(1, r['rows']):.0f} µs per event ({verdict})",
+              flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["cost"]:
+        cp = argparse.ArgumentParser(prog="long_traces.py cost")
+        cp.add_argument("shape", choices=("requests", "pairs", "burst"))
+        cp.add_argument("n", type=int, nargs="+")
+        cp.add_argument("--target", default="vllm@0.33.0")
+        cp.add_argument("--kind", default="sliding")
+        cp.add_argument("--depth", type=int, default=None)
+        c = cp.parse_args(argv[1:])
+        return cost(c.shape, c.n, c.target, c.kind, c.depth)
     ap.add_argument("shape", choices=("requests", "pairs", "burst"))
     ap.add_argument("n", type=int)
     ap.add_argument("out", type=Path)

@@ -420,12 +420,15 @@ class Driver:
     def _planned(self, vc: Any, cfg: Config) -> tuple[Any, int, int]:
         """:meth:`_plan`, once per config: vLLM's planner is a function of the
         config (the layer specs, the pool size, the VllmConfig built for the
-        config's shape), so a config planned before gets a copy of the same
+        config's shape), so a config planned before gets the same
         KVCacheConfig (its refusal: the same line), and ``vc`` gets the two
         fields the planner sets on it. The plans are shared by the drivers of
         the process (``vc`` is one built for ``cfg``'s shape, equal to any other
-        such). ``tests/test_vllm_reuse.py`` compares a scheduler built this way
-        to one of a fresh driver over a trace."""
+        such). vLLM writes to a KVCacheConfig only while planning it (the
+        scheduler, coordinator and managers read it), so the schedulers of one
+        config share one. ``tests/test_vllm_reuse.py`` compares a scheduler
+        built this way to one of a fresh driver over a trace, the layout after
+        the trace included."""
         key = cfg
         hit = self._plans.get(key)
         if hit is None:
@@ -440,7 +443,7 @@ class Driver:
             raise ConfigUnsupported(str(hit)) from None
         kvc, block_size, hash_block_size = hit
         compat.planned_on(vc, cfg.num_blocks)
-        return copy.deepcopy(kvc), block_size, hash_block_size
+        return kvc, block_size, hash_block_size
 
     def reset(self, cfg: Config) -> Observed:
         if cfg.max_model_len > MODEL_MAX_LEN:
@@ -518,6 +521,10 @@ class Driver:
         self.reqs: dict[str, Any] = {}
         self.ended: set[str] = set()  # ids of the requests that left self.reqs
         self.active: dict[str, Any] = {}  # rid -> Request, while it is in the counters
+        # the requests whose counters this event may have changed (_counters
+        # lists only these): added, scheduled, processed, preempted, ended,
+        # named by the event, or whose blocks vLLM allocated, popped or freed
+        self.touched: dict[str, None] = {}
         self.table: dict[str, list[list[int]]] = {}  # rid -> per group: slot -> physical id
         self.last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # as last scheduled
         # rid -> per group: the model runner's block table (physical ids), built
@@ -547,6 +554,7 @@ class Driver:
 
     def _instrument(self) -> None:
         pool, sched, kvm = self.pool, self.sched, self.kvm
+        touched = self.touched
 
         free_blocks = pool.free_blocks
 
@@ -575,6 +583,7 @@ class Driver:
 
         def allocate_slots_w(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid = request.request_id
+            touched[rid] = None
             before = [len(m.req_to_blocks.get(rid, ())) for m in self.mgrs]
             copies = [len(getattr(m, "_pending_cow_copies", ())) for m in self.mgrs]
             self.fresh = set()
@@ -593,18 +602,20 @@ class Driver:
 
         kvm.allocate_slots = allocate_slots_w
 
-        self._wrap_reason(sched, "_preempt_request", lambda request, *a, **k: "preempt")
+        self._wrap_reason(sched, "_preempt_request",
+                          lambda request, *a, **k: self._touch(request, "preempt"))
         self._wrap_reason(sched, "_free_blocks", lambda request, *a, **k: self._end_reason(request))
         if hasattr(sched, "_free_cow_retained_blocks"):
             self._wrap_reason(sched, "_free_cow_retained_blocks", lambda *a, **k: "copy")
         if hasattr(sched, "_update_waiting_for_remote_kv"):
             self._wrap_reason(sched, "_update_waiting_for_remote_kv",
-                              lambda request, *a, **k: "failed_load")
+                              lambda request, *a, **k: self._touch(request, "failed_load"))
 
         free_request = sched._free_request
 
         def free_request_w(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid = request.request_id
+            touched[rid] = None
             if rid not in self.finished_now:
                 self.finished_now.add(rid)
                 self.items.append(FinishObs(rid, self._finish_obs_reason(request)))
@@ -622,6 +633,7 @@ class Driver:
                 self.reasons.pop()
             B = self.cfg.block_size
             for rid in affected or ():
+                touched[rid] = None
                 r = self.reqs.get(rid)
                 if r is not None:
                     self.failed_now[rid] = r.num_computed_tokens // B
@@ -641,10 +653,16 @@ class Driver:
 
         setattr(obj, name, wrapper)
 
+    def _touch(self, request: Any, reason: str) -> str:
+        self.touched[request.request_id] = None
+        return reason
+
     def _wrap_manager(self, g: int, mgr: Any) -> None:
         remove_skipped = mgr.remove_skipped_blocks
+        touched = self.touched
 
         def remove_skipped_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            touched[request_id] = None
             self.window.append((g, request_id))
             try:
                 return remove_skipped(request_id, *args, **kwargs)
@@ -656,6 +674,7 @@ class Driver:
         pop_blocks = mgr.pop_blocks_for_free
 
         def pop_blocks_w(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            touched[request_id] = None
             blocks = pop_blocks(request_id, *args, **kwargs)
             why = self.reasons[-1] if self.reasons else None
             tabs = self.table.get(request_id)
@@ -841,6 +860,9 @@ class Driver:
         self.items = []
         self.finished_now = set()
         t = type(ev)
+        rid = getattr(ev, "id", None)
+        if rid is not None and rid in self.active:
+            self.touched[rid] = None
         if t is Schedule:
             self._schedule()
         elif t is Process:
@@ -881,6 +903,7 @@ class Driver:
             self.connector.offers[ev.id] = ev.external_tokens
         self.reqs[ev.id] = req
         self.active[ev.id] = req
+        self.touched[ev.id] = None
         self.table[ev.id] = [[] for _ in self.mgrs]
         self.live[ev.id] = [0] * len(self.mgrs)
         self.sched.add_request(req)
@@ -903,7 +926,9 @@ class Driver:
         self.next_step += 1
         obs: dict[str, ReqStep] = {}
         samples: dict[str, bool] = {}
+        touched = self.touched
         for rid, n in out.num_scheduled_tokens.items():
+            touched[rid] = None
             r = self.reqs[rid]
             end = r.num_computed_tokens
             if self.null_id == NULL:
@@ -991,6 +1016,8 @@ class Driver:
         p = self.pending.popleft()
         out = p.output
         rids = list(out.num_scheduled_tokens)
+        self.touched.update(dict.fromkeys(rids))
+        self.touched.update((q.id, None) for q in self.queued)
         sampled: list[list[int]] = []
         accepted: list[tuple[str, int]] = []
         for rid in rids:
@@ -1123,19 +1150,30 @@ class Driver:
         return "waiting"
 
     def _counters(self) -> Counters:
-        """Counters of every request not finished, and of a finished one until
-        the event its last block left it in (``docs/SEMANTICS.md``); then it
-        leaves them, and the driver forgets it once no step in flight has it."""
+        """Counters of the requests this event may have changed (``touched``:
+        added, scheduled or processed in it, preempted, ended, named by it, or
+        whose blocks vLLM allocated, popped or freed in it); a request not
+        listed keeps the counters it was last listed with
+        (``docs/SEMANTICS.md``; ``tests/test_vllm_counters.py`` folds them
+        against every live request's at every event). A finished one is listed
+        in the event it ended in and in the one its last block left it in;
+        then it leaves them, and the driver forgets it once no step in flight
+        has it. The cost follows what the event touched, not what is live."""
         reqs: dict[str, ReqCounters] = {}
         gone = []
-        for rid, r in self.active.items():
+        active = self.active
+        for rid in self.touched:
+            r = active.get(rid)
+            if r is None:
+                continue  # left the counters already
             live = tuple(self.live[rid])
             status = self._status(r)
             reqs[rid] = ReqCounters(r.num_computed_tokens, compat.in_flight(r), live, status)
             if status == "finished" and not any(live):
                 gone.append(rid)
+        self.touched.clear()
         for rid in gone:
-            del self.active[rid]
+            del active[rid]
         if self.leaving or gone:
             self._forget(gone)
         return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
