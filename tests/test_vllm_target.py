@@ -331,6 +331,29 @@ def test_a_dead_worker_is_a_crash_with_its_log_and_restarts():
     assert items(t.apply_many([AddRequest("r0", 10, 2), Schedule()])[1], StepObs)
 
 
+def test_a_session_dropped_during_a_call_goes_with_the_next_call():
+    """A target's finalizer (a garbage collection in the middle of a call on
+    the same worker) must not wait on the worker's lock, which that call
+    holds: the drop is kept and sent before the worker's next call."""
+    from impl.vllm import _drop_session
+
+    cfg = config_for("full", block_size=16, depth=1)
+    t = target(FIXED)
+    t.reset(cfg)
+    w = t._w()
+    other = next(w.sessions)
+    assert w.call("reset", other, cfg)[0] == "ok"
+    with w.p.lock:  # a call under way
+        _drop_session(w, other)  # returns at once
+        assert w.pending_drops == [other]
+    t.apply(AddRequest("r0", 10, 2))
+    assert w.pending_drops == []
+    # the dropped session's driver is gone: a fresh one, never reset, refuses
+    # an event (a session still held would take it)
+    assert w.call("apply", other, [Schedule()])[0] != "ok"
+    _drop_session(w, other)
+
+
 def test_install_script_is_a_no_op_when_installed_and_refuses_bad_versions():
     out = subprocess.run(["bash", "scripts/install-vllm.sh", FIXED], capture_output=True,
                          text=True, timeout=120)

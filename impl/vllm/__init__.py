@@ -297,6 +297,14 @@ class _Worker:
                                worker_env(inst), setup="impl.vllm.worker:setup")
         self.proc = self.p.proc
         self.sessions = itertools.count()
+        self.pending_drops: list[Any] = []  # sessions dropped mid-call (_drop_session)
+
+    def busy(self) -> bool:
+        """A call on this worker is under way (its lock is not re-entrant)."""
+        if self.p.lock.acquire(blocking=False):
+            self.p.lock.release()
+            return False
+        return True
 
     @property
     def info(self) -> dict[str, Any] | None:
@@ -320,6 +328,8 @@ class _Worker:
     def call(self, op: str, session: Any, payload: Any) -> Any:
         self.ready()
         try:
+            while self.pending_drops:
+                self.p.call("drop", self.pending_drops.pop(), None)
             return self.p.call(op, session, payload)
         except WorkerDied as e:
             raise TargetCrash(str(e)) from None
@@ -351,6 +361,11 @@ class _InProcess:
         self.sessions = itertools.count(1_000_000)
         self.flight = flight_from_env()
         self.proc = None
+        self.pending_drops: list[Any] = []  # sessions dropped mid-call (_drop_session)
+        self._calls = 0
+
+    def busy(self) -> bool:
+        return self._calls > 0
 
     def alive(self) -> bool:
         return True
@@ -362,13 +377,19 @@ class _InProcess:
         return self.info
 
     def call(self, op: str, session: Any, payload: Any) -> Any:
-        f = self.flight
-        if f is not None:
-            if op == "reset":
-                f.reset(session, payload)
-            elif op == "apply":
-                f.apply(session, payload)
-        return self.ops.handle(op, session, payload)
+        self._calls += 1
+        try:
+            while self.pending_drops:
+                self.ops.handle("drop", self.pending_drops.pop(), None)
+            f = self.flight
+            if f is not None:
+                if op == "reset":
+                    f.reset(session, payload)
+                elif op == "apply":
+                    f.apply(session, payload)
+            return self.ops.handle(op, session, payload)
+        finally:
+            self._calls -= 1
 
     def close(self) -> None:
         pass
@@ -554,7 +575,14 @@ def worker_for(spec: str, slot: int = 0) -> WorkerProcess:
     return w.p
 
 
-def _drop_session(worker: _Worker, session: Any) -> None:
+def _drop_session(worker: _Worker | _InProcess, session: Any) -> None:
+    """Drop a target's session in its worker; never waits on the worker. A
+    target's finalizer can run in the middle of a call on the same worker (a
+    garbage collection inside it), whose lock is not re-entrant: the drop then
+    goes with the worker's next call."""
+    if worker.busy():
+        worker.pending_drops.append(session)
+        return
     try:
         if worker.alive() and worker.info is not None:
             worker.call("drop", session, None)
