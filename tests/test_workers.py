@@ -124,6 +124,12 @@ def test_gate_matrix_and_known_findings():
     assert not any(k["failed_loads"] and k["hazard"] == "ordered" for ks in by.values()
                    for k in ks)
     assert any("rswa" in n for n in notes)  # what the target lacks is said
+    # a tree that survives failed loads on hybrids gets those rows too
+    fixed = {r["id"] for r in gate_matrix("vllm@X", caps, hybrid_failed_loads=True)[0]}
+    added = [r for r in gate_matrix("vllm@X", caps, hybrid_failed_loads=True)[0]
+             if r["id"] not in {r["id"] for r in rows}]
+    assert len(fixed) == len(rows) + 12 and all(
+        r["kind"] == "hybrid" and r["knobs"]["failed_loads"] for r in added)
     findings = known_findings()
     assert findings
     for f in findings:
