@@ -423,6 +423,12 @@ class Checker:
         # MTP drafter's retained tokens), the most over the groups
         self._reprefill = max(g.spec.reprefill() for g in cfg.groups)
         self._mamba = any(g.spec.holds_state for g in cfg.groups)
+        # Mamba states in the worker's slots (vLLM's align mode, prefix caching
+        # on: the running state after a step's last accepted token in slot
+        # (end - 1) // B, one slot per draft, :meth:`_state_slot`); without
+        # prefix caching a state lives in the block of its position (the
+        # reference's block-sized states, as the attention replay has them)
+        self._slots = self._mamba and cfg.prefix_caching
         # rid -> (group, slot) -> the block relocated away from that slot in the
         # request's current worker row (MoveObs), which the worker still names there
         self._moved: dict[str, dict[tuple[int, int], int]] = {}
@@ -547,7 +553,7 @@ class Checker:
         P = self.prompt_len.get(rid)
         for pp, lo, hi in self._may_read(rid):
             table = pp.rs.tables[group] if group < len(pp.rs.tables) else ()
-            if g.spec.holds_state:
+            if g.spec.holds_state and self._slots:
                 # the worker's table may name the block at another slot too
                 # (a relocated speculative block): any slot the part touches
                 rb = pp.reads_from - lo
@@ -650,7 +656,7 @@ class Checker:
     def _reads(self, pp: _Pending, gi: int, g: Group, lo: int, hi: int,
                P: int | None) -> Sequence[int]:
         """Logical blocks of group ``gi`` the part reads computing ``[lo, hi)``."""
-        if g.spec.holds_state and lo == pp.reads_from and hi == pp.end:
+        if g.spec.holds_state and self._slots and lo == pp.reads_from and hi == pp.end:
             return self._state_blocks(pp, g, self.Bs[gi])
         return read_blocks(g, lo, hi, self.Bs[gi], P)
 
@@ -1023,7 +1029,7 @@ class Checker:
             if self._mamba:
                 pp.prev, req.last_part = req.last_part, pp
             self._check_reads(pp, "scheduled")
-            if self._mamba:
+            if self._slots:
                 self._check_state(pp)
             P = self.prompt_len.get(rs.rid)
             if (self._held_groups and rs.start >= self.B
@@ -1100,7 +1106,7 @@ class Checker:
                                f"{lg} maps to {what}",
                             step=pp.step, rid=rs.rid, block=blk)
                     return
-            if g.spec.holds_state and self._state_clash(pp, gi, g, table, when):
+            if g.spec.holds_state and self._slots and self._state_clash(pp, gi, g, table, when):
                 return
         self._check_content(pp, when)
 
@@ -1348,7 +1354,7 @@ class Checker:
                     later.shift += rejected
                     self._write(rid, later.rs.tables, later.start, later.end, later.step)
                     self._check_reads(later, f"shifted down {later.shift} by rejection")
-            if self._mamba:
+            if self._slots:
                 nxt = next((q for q in self._live_pending(rid) if q.prev is pp), None)
                 if nxt is not None:
                     self._check_state(nxt)
