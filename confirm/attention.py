@@ -43,7 +43,26 @@ What runs when (the device timeline this replay models)::
   and a connector's load lands just before its own step's kernel; a kernel
   sees the writes of the steps that ran before it and its own.
 * Mamba (assumption, as in :mod:`model.windows`): the recurrent state read by
-  position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``.
+  position ``t`` is modelled as reading the K/V of positions ``[t-1, t]``,
+  in the blocks of their positions (a target that keeps Mamba states so: the
+  reference; vLLM without prefix caching).
+* Mamba in vLLM's ``align`` mode (prefix caching on, a target whose
+  capabilities say ``mamba_align``): a real recurrence
+  (:func:`confirm.attention_kernels.recur`) whose states live in the slots
+  of the worker's table that :mod:`model.mamba_slots` names, as the checker
+  reads them. A step reads the state it starts from (the slot its
+  predecessor's acceptance picks, or a prefix hit's), runs the recurrence
+  over its positions (a rejected draft's input is the draft pattern), and
+  writes its running state and one state per draft into its ``1 + K`` slots
+  in order (one block at two slots keeps the later); when its output is
+  processed, the postprocess copies the accepted state at a block edge into
+  the slot that edge closes. Judged: every accepted position's state
+  against the dense recurrence over the true tokens, and each state the
+  step leaves for the next one (its running state and its accepted drafts'),
+  read back from its block after all writes of the step: one overwritten
+  there garbles that position, at the step that left it. Connector loads
+  deliver the state at the load's end into its slot; block copies
+  (``StepObs.copies``) run before the step's kernel.
 * One layer per group: a bad read garbles that position's output, not the
   K/V that deeper layers would write for it (a multi-layer model would also
   leave bad K/V behind, e.g. in a block the prefix cache serves later).
@@ -58,7 +77,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -68,8 +87,10 @@ from confirm.attention_kernels import (
     TAG_DRAFT,
     TAG_FAILED,
     TAG_FOREIGN,
+    DenseStates,
     PagedCache,
     Shape,
+    StateCache,
     VllmKernel,
     attend,
     dense_reference,
@@ -80,11 +101,15 @@ from confirm.attention_kernels import (
     pick_device,
     pick_dtype,
     q_true,
+    recur,
     rid_stream,
+    state_decay,
+    state_inputs,
     window_grid,
 )
-from impl.target import Target, TargetCrash, Unsupported
+from impl.target import Target, TargetCrash, Unsupported, make_target
 from model.events import AddRequest, Config, Trace
+from model.mamba_slots import checkpoint_copy, start_slot, worker_slots, written
 from model.observations import (
     NULL,
     AllocObs,
@@ -125,12 +150,14 @@ class BadRead:
     group: int = 0
     err: float = float("nan")
     group_label: str = ""
+    where: str = ""  # what was read, where it is not the position's own output
 
     def __str__(self) -> str:
         what = "read NaN (NULL block)" if self.kind == "nan" else (
             f"garbled (error {self.err:.3g})")
         g = f"group {self.group}" + (f" {self.group_label}" if self.group_label else "")
-        return f"step {self.step}, {self.rid} position {self.position} ({g}): {what}"
+        where = f", {self.where}" if self.where else ""
+        return f"step {self.step}, {self.rid} position {self.position} ({g}){where}: {what}"
 
 
 @dataclass
@@ -186,12 +213,18 @@ class _Req:
     gen: int = 0  # the request's preemptions before this step was scheduled
     shift: int = 0
     dead: str = ""  # why the output will be discarded, "" while it counts
+    prev: _Req | None = None  # the request's step before it (align-mode Mamba states)
+
+    @property
+    def end(self) -> int:
+        return self.rs.end - self.shift
 
 
 @dataclass
 class _Step:
     step: int
     reqs: list[_Req]
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst) run before its kernel
 
 
 @dataclass
@@ -213,7 +246,7 @@ class AttentionReplay:
 
     def __init__(self, cfg: Config, prompt_lens: dict[str, int], device: torch.device,
                  dtype: str = "fp32", shape: Shape | None = None,
-                 kernel: VllmKernel | None = None):
+                 kernel: VllmKernel | None = None, mamba_align: bool = False):
         self.cfg = cfg
         self.Bs = cfg.block_sizes  # per group: tokens per block
         self.prompt_lens = prompt_lens
@@ -225,6 +258,13 @@ class AttentionReplay:
         self.kernel_failed = ""  # vLLM's kernel raised: why (it is not run again)
         self.caches = [PagedCache(cfg.num_blocks, B, self.shape, gi, device, self.dtype)
                        for gi, B in enumerate(self.Bs)]
+        # align-mode Mamba groups: states in the worker's slots (model.mamba_slots)
+        self.states = {gi: StateCache(cfg.num_blocks, self.shape, gi, device, self.dtype)
+                       for gi, g in enumerate(cfg.groups)
+                       if mamba_align and worker_slots(cfg) and g.spec.holds_state}
+        self.decay = {gi: state_decay(gi, self.shape).to(device) for gi in self.states}
+        self.dense = DenseStates(self.shape)
+        self.last: dict[str, _Req] = {}  # rid -> its last scheduled step (align-mode Mamba)
         self.unordered = cfg.hazard == "unordered"
         self.pending: list[_Step] = []
         self.refs: Counter[tuple[int, int]] = Counter()
@@ -252,7 +292,10 @@ class AttentionReplay:
         scheduled: list[_Step] = []
         for ii, it in enumerate(items):
             if isinstance(it, StepObs):
-                s = _Step(it.step, [_Req(rs, self.gen[rs.rid]) for rs in it.reqs])
+                s = _Step(it.step, [_Req(rs, self.gen[rs.rid]) for rs in it.reqs],
+                          it.copies)
+                for r in s.reqs:
+                    r.prev, self.last[r.rs.rid] = self.last.get(r.rs.rid), r
                 self.pending.append(s)
                 scheduled.append(s)
                 self.scheduled = max(self.scheduled, it.step + 1)
@@ -292,11 +335,15 @@ class AttentionReplay:
 
     def _fill_foreign(self, key: tuple[int, int], slots: np.ndarray) -> None:
         group, block = key
+        if group in self.states:
+            self.states[group].fill(block, TAG_FOREIGN, block, self.taken[key][1])
+            return
         k, v = junk_kv(TAG_FOREIGN, block, group, slots, self.shape, salt=self.taken[key][1])
         self.caches[group].write(torch.full((len(slots),), block, device=self.device),
                                  torch.from_numpy(slots).to(self.device), k, v)
 
     def _kill(self, rid: str, why: str) -> None:
+        self.last.pop(rid, None)  # a restart starts from no step of its own
         for s in self.pending:
             for r in s.reqs:
                 if r.rs.rid == rid and not r.dead:
@@ -333,6 +380,10 @@ class AttentionReplay:
         pos = np.arange(rs.start - rs.loaded, rs.start)
         bad_from = self.failed_at.get((step, rs.rid))
         for gi in range(len(self.cfg.groups)):
+            if gi in self.states:
+                self._load_state(gi, rs, plen, bad_from is not None
+                                 and (rs.start - 1) // self.cfg.block_size >= bad_from, step)
+                continue
             k, v = kv_true(plen, gi, pos, self.shape)
             if bad_from is not None:
                 bad = torch.from_numpy(pos // self.cfg.block_size >= bad_from)[:, None, None]
@@ -352,7 +403,12 @@ class AttentionReplay:
         if not self.unordered:
             for r in s.reqs:
                 self._load(s.step, r.rs)
+        for src, dst in s.copies:  # the worker's block copies, one gather then one scatter
+            got = {gi: st.read(src) for gi, st in self.states.items()}
+            for gi, st in self.states.items():
+                st.write(dst, got[gi])
         # 2. every request's new K/V, through the tables the step was scheduled with
+        states = []
         for r in s.reqs:
             rs, rid = r.rs, r.rs.rid
             plen = self.prompt_lens.get(rid, 0)
@@ -363,6 +419,9 @@ class AttentionReplay:
             good = np.arange(a, b - rejected)
             drafts = np.arange(b - rejected, b)
             for gi in range(len(self.cfg.groups)):
+                if gi in self.states:
+                    states.append(self._run_state(s.step, r, gi, plen, a, b, rejected))
+                    continue
                 k, v = kv_true(plen, gi, good, self.shape)
                 self._write(gi, _table(rs, gi), good, k, v)
                 if len(drafts):
@@ -376,9 +435,11 @@ class AttentionReplay:
             if key in self.taken and s.step < self.taken[key][0]:
                 self._fill_foreign(key, np.array(sorted(slots), dtype=np.int64))
         self.touched.clear()
+        judged = self._judge_states(states)
         # 3. attention for every computed position whose output counts
         for r, dead, rejected, good in plan:
             rid = r.rs.rid
+            extra = judged.get(id(r))
             note = []
             if r.shift:
                 note.append(f"shifted -{r.shift}")
@@ -389,15 +450,24 @@ class AttentionReplay:
                                             dead or "nothing computed"))
             elif dead:
                 # the kernel still reads; what it reads is shown, never judged
-                row = self._attend(s.step, r.rs, good, "; ".join([dead, *note]), judge=False)
+                row = self._attend(s.step, r.rs, good, "; ".join([dead, *note]), judge=False,
+                                   extra=extra)
                 if row.nan_reads or row.max_abs_err > self.tol:
                     self.st.discarded_bad += 1
                 self.st.rows.append(row)
             else:
-                self.st.rows.append(self._attend(s.step, r.rs, good, "; ".join(note)))
+                self.st.rows.append(self._attend(s.step, r.rs, good, "; ".join(note),
+                                                 extra=extra))
+        # the postprocess: an accepted state at a block edge into the slot it closes
+        if po is not None:
+            for r, dead, rejected, _ in plan:
+                if not dead:
+                    self._checkpoint(r, rejected)
         # 4. rejections move this request's later in-flight steps down
         for r, _dead, rejected, _ in plan:
             rid = r.rs.rid
+            if rid in failed:
+                self.last.pop(rid, None)  # it recomputes from what the recovery says
             for later in self.pending:
                 for lr in later.reqs:
                     if lr.rs.rid != rid:
@@ -409,15 +479,112 @@ class AttentionReplay:
                     if (rid in failed or rid in discarded) and lr.gen == r.gen:
                         lr.dead = lr.dead or ("failed load" if rid in failed else "discarded")
 
+    # ------------------------------------------------ align-mode Mamba states
+
+    def _load_state(self, gi: int, rs: ReqStep, plen: int, failed: bool, step: int) -> None:
+        """A connector's load delivers the state after its last position into
+        that position's slot (junk where the load failed)."""
+        slot = (rs.start - 1) // self.Bs[gi]
+        table = _table(rs, gi)
+        if rs.start <= 0 or slot >= len(table) or table[slot] == NULL:
+            return
+        st = self.states[gi]
+        if failed:
+            st.fill(table[slot], TAG_FAILED, rid_stream(rs.rid), step)
+        else:
+            st.write(table[slot], self.dense.after(plen, gi, np.array([rs.start - 1]))[0])
+
+    def _run_state(self, step: int, r: _Req, gi: int, plen: int, a: int, b: int,
+                   rejected: int) -> _StateRun:
+        """One request's recurrence in group ``gi``: read the state it starts
+        from, run its positions ``[a, b)``, write its ``1 + K`` states."""
+        B, table, st, rid = self.Bs[gi], _table(r.rs, gi), self.states[gi], r.rs.rid
+        q = r.prev
+        slot = start_slot(a, B) if q is None else start_slot(a, B, q.end, q.rs.spec)
+        if slot is None:
+            h0 = torch.zeros(self.shape.width, device=self.device)
+        else:
+            h0 = st.read(table[slot] if slot < len(table) else NULL)
+        xs = state_inputs(kv_true(plen, gi, np.arange(a, b - rejected), self.shape))
+        if rejected:
+            drafts = np.arange(b - rejected, b)
+            jk_jv = junk_kv(TAG_DRAFT, rid_stream(rid), gi, drafts, self.shape, salt=step)
+            xs = torch.cat([xs, state_inputs(jk_jv)])
+        hs = recur(h0, xs.to(self.device), self.decay[gi])
+        for sl, t in written(b, r.rs.spec, B):
+            if sl < len(table) and table[sl] != NULL:
+                st.write(table[sl], hs[t - a] if t >= a else h0)
+                self.touched[(gi, table[sl])].add(0)
+        return _StateRun(r, gi, plen, a, b, rejected, hs, table)
+
+    def _judge_states(self, runs: list[_StateRun]) -> dict[int, tuple[float, int, BadRead | None]]:
+        """Per request (``id`` of its :class:`_Req`): the worst error, the NaN
+        rows and the first bad position over its accepted positions' states
+        and the states it left for the next step (read back after all writes
+        of the step)."""
+        out: dict[int, tuple[float, int, BadRead | None]] = {}
+        for run in runs:
+            r, gi = run.r, run.gi
+            B, st, label = self.Bs[gi], self.states[gi], self.cfg.groups[gi].label()
+            n = run.b - run.rejected - run.a
+            pos = np.arange(run.a, run.a + n)
+            got = [run.hs[:n].float().cpu()]
+            where = [""] * n
+            for sl, t in written(run.b, r.rs.spec, B):
+                if run.a <= t < run.a + n and sl < len(run.table) and run.table[sl] != NULL:
+                    got.append(st.read(run.table[sl]).cpu()[None])
+                    pos = np.append(pos, t)
+                    where.append(f"the state after it left at slot {sl} (block "
+                                 f"{run.table[sl]}) for the next step")
+            g = torch.cat(got)
+            ref = self.dense.after(run.plen, gi, pos)
+            isnan = torch.isnan(g).any(1)
+            err = torch.where(isnan, torch.zeros(()), (g - ref).abs().amax(1))
+            worst, nan_rows, bad = float(err.max()) if len(err) else 0.0, 0, None
+            nan_rows = int(isnan[:n].sum())
+            for i in (isnan | (err > self.tol)).nonzero().flatten().tolist():
+                cand = BadRead(0, r.rs.rid, int(pos[i]),
+                               "nan" if bool(isnan[i]) else "garbled", gi,
+                               float("nan") if bool(isnan[i]) else float(err[i]), label,
+                               where[i])
+                if bad is None or cand.position < bad.position:
+                    bad = cand
+            w0, n0, b0 = out.get(id(r), (0.0, 0, None))
+            if b0 is not None and (bad is None or b0.position <= bad.position):
+                bad = b0
+            out[id(r)] = (max(w0, worst), n0 + nan_rows, bad)
+        return out
+
+    def _checkpoint(self, r: _Req, rejected: int) -> None:
+        """The postprocess of a processed step: the state after the block edge
+        its count reached, into the slot of the block that edge closes."""
+        for gi, st in self.states.items():
+            table = _table(r.rs, gi)
+            cp = checkpoint_copy(r.end, r.rs.spec, r.end - rejected, self.Bs[gi])
+            if cp is None:
+                continue
+            src, dest = cp
+            if src < len(table) and dest < len(table) and NULL not in (table[src], table[dest]):
+                st.write(table[dest], st.read(table[src]))
+
+    # ------------------------------------------------------------ attention
+
     def _attend(self, step: int, rs: ReqStep, ts: np.ndarray, note: str,
-                judge: bool = True) -> StepRow:
+                judge: bool = True,
+                extra: tuple[float, int, BadRead | None] | None = None) -> StepRow:
         rid = rs.rid
         plen = self.prompt_lens.get(rid, 0)
         worst = 0.0
         nan_rows = 0
         bad: BadRead | None = None
         kerr: float | None = None
+        if extra is not None:  # the align-mode Mamba groups' states (_judge_states)
+            worst, nan_rows, bad = extra
+            if bad is not None:
+                bad = replace(bad, step=step)
         for gi, g in enumerate(self.cfg.groups):
+            if gi in self.states:
+                continue
             table = _table(rs, gi)
             spans = [reads(g, int(t), plen) for t in ts]
             lo = np.array([sp[0][0] for sp in spans], dtype=np.int64)
@@ -487,6 +654,20 @@ class AttentionReplay:
         return float(d.max())
 
 
+@dataclass
+class _StateRun:
+    """One request's recurrence in one align-mode Mamba group of a step."""
+
+    r: _Req
+    gi: int
+    plen: int
+    a: int
+    b: int
+    rejected: int
+    hs: torch.Tensor  # the states after a .. b - 1
+    table: tuple[int, ...]
+
+
 def _table(rs: ReqStep, gi: int) -> tuple[int, ...]:
     return rs.tables[gi] if gi < len(rs.tables) else ()
 
@@ -527,10 +708,13 @@ def prompt_lengths(trace: Trace) -> dict[str, int]:
 def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: list[list[Item]],
                      device: str | torch.device | None = None, dtype: str = "fp32",
                      heads: int = 2, head_dim: int = 8,
-                     vllm: bool | VllmKernel | None = None, label: str = "") -> AttentionReport:
+                     vllm: bool | VllmKernel | None = None, label: str = "",
+                     mamba_align: bool = False) -> AttentionReport:
     """Execute an observation stream (one item list per event). ``vllm``:
     None runs vLLM's kernel where it can (CUDA with vLLM), True requires it,
-    False never runs it; a :class:`VllmKernel` is used as given."""
+    False never runs it; a :class:`VllmKernel` is used as given.
+    ``mamba_align``: the target keeps Mamba states in the worker's slots with
+    prefix caching on (vLLM's align mode; :attr:`impl.target.Capabilities.mamba_align`)."""
     t0 = time.perf_counter()
     dev = pick_device(device)
     _, tol = pick_dtype(dtype)
@@ -543,7 +727,7 @@ def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: lis
         kernel, why = load_vllm_kernel(dev, shape)
     if vllm is True and kernel is None:
         raise RuntimeError(f"vLLM's kernel was required: {why}")
-    rp = AttentionReplay(cfg, prompt_lens, dev, dtype, shape, kernel)
+    rp = AttentionReplay(cfg, prompt_lens, dev, dtype, shape, kernel, mamba_align)
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         # the tensors are tiny: intra-op threads only add wake-up latency (and
@@ -581,12 +765,14 @@ def replay_attention(trace: Trace, target_spec: str | Target = "reference",
                               "blocks hold none (a ring, or the encoder's outputs): "
                               "properties 1-5 and 7 judge it")
     t0 = time.perf_counter()
-    rr = replay(trace, target_spec, stop_at_first=False)
+    target = make_target(target_spec) if isinstance(target_spec, str) else target_spec
+    rr = replay(trace, target, stop_at_first=False)
     if rr.crash:
         raise TargetCrash(rr.crash)
     events_items = [row.obs.items for row in rr.rows]
     rep = run_observations(trace.config, prompt_lengths(trace), events_items, device, dtype,
-                           heads, head_dim, vllm, label=trace.config.label())
+                           heads, head_dim, vllm, label=trace.config.label(),
+                           mamba_align=target.capabilities.mamba_align)
     if rr.first is not None:
         rep.property_violation = str(rr.first)
     rep.violations = list(rr.violations)

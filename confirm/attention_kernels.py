@@ -191,6 +191,92 @@ class PagedCache:
 
 
 
+# ------------------------------------------------------- Mamba states (align mode)
+#
+# A small linear recurrence stands for a Mamba layer's state: per channel
+#
+#     h[t] = a * h[t-1] + (1 - a) * x[t],    h[-1] = 0,   0.5 <= a < 0.95
+#
+# with x[t] the token's input (its true V, flattened; a rejected draft's is
+# the draft pattern's). The state after t is a function of the tokens up to
+# t only, so a state read from the wrong slot (the state after another
+# position, a draft's, junk) differs from the dense one.
+
+
+def state_decay(group: int, shape: Shape) -> torch.Tensor:
+    """The recurrence's per-channel decay ``a`` of a group, float32 [width]."""
+    u = pattern(0, TAG_K, 1000 + group, np.zeros(1, dtype=np.int64), shape).flatten()
+    return 0.725 + 0.225 * u
+
+
+def state_inputs(k_v: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The recurrence's inputs from a K/V pair (its V), float32 [n, width]."""
+    return k_v[1].flatten(1)
+
+
+def recur(h0: torch.Tensor, xs: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """The states after each input: h0 [width], xs [n, width] -> [n, width]
+    (float32, in order; the same operations as :func:`dense_states`)."""
+    out = torch.empty_like(xs)
+    h = h0
+    one_minus = 1.0 - decay
+    for i in range(len(xs)):
+        h = decay * h + one_minus * xs[i]
+        out[i] = h
+    return out
+
+
+class StateCache:
+    """One Mamba group's state blocks on a device: ``[num_blocks, width]``, a
+    block never written holds the ``uninit`` pattern, NULL is NaN."""
+
+    def __init__(self, num_blocks: int, shape: Shape, group: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.device = device
+        self.dtype = dtype
+        self.shape = shape
+        self.group = group
+        junk = junk_kv(TAG_UNINIT, 0, group, np.arange(num_blocks), shape)[1].flatten(1)
+        self.h = junk.to(device=device, dtype=dtype).contiguous()
+        self.h[0] = float("nan")
+
+    def read(self, block: int) -> torch.Tensor:
+        return self.h[block].float()
+
+    def write(self, block: int, state: torch.Tensor) -> None:
+        if block != 0:
+            self.h[block] = state.to(device=self.device, dtype=self.dtype)
+
+    def fill(self, block: int, tag: int, stream: int, salt: int) -> None:
+        """Junk of pattern ``tag`` (an unordered writer's load, a failed load)."""
+        junk = junk_kv(tag, stream, self.group, np.array([block]), self.shape, salt)[1]
+        self.write(block, junk.flatten())
+
+
+class DenseStates:
+    """The dense recurrence over the true tokens of each prompt length, on
+    the CPU in float32, grown as positions are asked for."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self._h: dict[tuple[int, int], torch.Tensor] = {}
+
+    def after(self, prompt_len: int, group: int, positions: np.ndarray) -> torch.Tensor:
+        """The states after ``positions`` (float32 [n, width], CPU)."""
+        key = (prompt_len, group)
+        have = self._h.get(key)
+        need = int(np.max(positions)) + 1 if len(positions) else 0
+        if have is None or len(have) < need:
+            n0 = 0 if have is None else len(have)
+            n = max(need, 2 * n0, 16)
+            h0 = torch.zeros(self.shape.width) if have is None else have[-1]
+            xs = state_inputs(kv_true(prompt_len, group, np.arange(n0, n), self.shape))
+            more = recur(h0, xs, state_decay(group, self.shape))
+            have = more if have is None else torch.cat([have, more])
+            self._h[key] = have
+        return have[torch.from_numpy(np.asarray(positions, dtype=np.int64))]
+
+
 # -------------------------------------------------------------------- attention
 
 

@@ -38,6 +38,10 @@ class Capabilities:
     # per kind, fuzz options the target needs: (FuzzSpec field, value, why); a
     # field left to be drawn takes the value, one set otherwise is refused
     pinned: dict[str, tuple[tuple[str, object, str], ...]] = field(default_factory=dict)
+    # with prefix caching on, Mamba states live in the worker's slots
+    # (model.mamba_slots: vLLM's align mode); otherwise in the block of their
+    # position (the reference). The attention replay reads them accordingly.
+    mamba_align: bool = False
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:

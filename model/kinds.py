@@ -382,7 +382,7 @@ class Mamba(Kind):
         slots it writes, as long as a step moves by at most ``B`` tokens per
         block (``K < B``). With more drafts it lies in the previous step's
         running slot plus its accepted drafts, which the checker takes from
-        that step (``properties.invariants.Checker._state_slot``)."""
+        that step (:func:`model.mamba_slots.start_slot`)."""
         if e <= a:
             return range(0)
         last = (e - 1) // block_size

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from model.events import AddRequest, Config, Event, FailLoad, Group, Schedule
+from model.mamba_slots import checkpoint_copy, running_slot, start_slot, worker_slots, written
 from model.observations import (
     NULL,
     AllocObs,
@@ -428,7 +429,7 @@ class Checker:
         # (end - 1) // B, one slot per draft, :meth:`_state_slot`); without
         # prefix caching a state lives in the block of its position (the
         # reference's block-sized states, as the attention replay has them)
-        self._slots = self._mamba and cfg.prefix_caching
+        self._slots = worker_slots(cfg)
         # rid -> (group, slot) -> the block relocated away from that slot in the
         # request's current worker row (MoveObs), which the worker still names there
         self._moved: dict[str, dict[tuple[int, int], int]] = {}
@@ -603,32 +604,11 @@ class Checker:
         """The slot of a Mamba group's (worker's) table through which ``pp``
         reads the state it starts from, as vLLM's model runner of a hybrid
         model picks it (``preprocess_mamba``, V2's
-        ``preprocess_mamba_align_fused_kernel``): the running slot ``s`` of the
-        request's step before it plus the drafts that step accepted
-        (``mamba_state_idx + num_accepted_tokens - 1``), or ``s`` itself where
-        that step's postprocess copied the accepted state there (it reached
-        the end of block ``s``; ``postprocess_mamba_fused_kernel``). A step
-        with no step before it (a new or resumed request) reads the slot of
-        position ``a - 1`` (the prefix hit's state). None: it starts at 0.
-        K = 4, B = 4: the step before computed [3, 8), running state after 3
-        in slot s = 1, drafts' states after 4..7 in slots 2..5; two accepted::
-
-            slots        0    1    2    3    4    5
-            states            3    4    5    6    7
-                                        ^ the next step, [6, 11), starts here"""
-        a = pp.start
-        if a <= 0:
-            return None
+        ``preprocess_mamba_align_fused_kernel``; :func:`model.mamba_slots.start_slot`)."""
         q = pp.prev
-        if q is not None:
-            base = q.end - q.rs.spec
-            j = a - base
-            if 0 <= j <= q.rs.spec:
-                s = (q.end - 1) // B
-                if a // B * B >= base and a // B - 1 == s:
-                    return s
-                return s + j
-        return (a - 1) // B
+        if q is None:
+            return start_slot(pp.start, B)
+        return start_slot(pp.start, B, q.end, q.rs.spec)
 
     def _state_blocks(self, pp: _Pending, g: Group, B: int, rollback: int = 0,
                       prev_rollback: int = 0) -> list[int]:
@@ -641,7 +621,7 @@ class Checker:
         out: set[int] = set()
         for e in range(pp.end - rollback, pp.end + 1):
             if e > 0:
-                out.update(range((e - 1) // B, (e - 1) // B + 1 + K))
+                out.update(range(running_slot(e, B), running_slot(e, B) + 1 + K))
         q = pp.prev
         if q is None or not (rollback or prev_rollback):
             r = self._state_slot(pp, B)
@@ -649,7 +629,7 @@ class Checker:
                 out.add(r)
             return sorted(out)
         for qe in range(q.end - prev_rollback, q.end + 1):
-            s = (qe - 1) // B
+            s = running_slot(qe, B)
             out.update(range(s, s + 1 + q.rs.spec))
         return sorted(out)
 
@@ -695,15 +675,14 @@ class Checker:
             B = self.Bs[gi]
             tq = q.rs.tables[gi] if gi < len(q.rs.tables) else ()
             tp = pp.rs.tables[gi] if gi < len(pp.rs.tables) else ()
-            s = (q.end - 1) // B
             held: dict[int, tuple[int, int]] = {}  # block -> (position its state follows, slot)
-            for j in range(q.rs.spec + 1):
-                if s + j < len(tq) and tq[s + j] != NULL:
-                    held[tq[s + j]] = (base - 1 + j, s + j)
-            aligned = a // B * B
+            for slot, t in written(q.end, q.rs.spec, B):
+                if slot < len(tq) and tq[slot] != NULL:
+                    held[tq[slot]] = (t, slot)
             copied = None
-            if aligned >= base and not (aligned == base and aligned // B - 1 == s):
-                src, dest = s + aligned - base, aligned // B - 1
+            cp = checkpoint_copy(q.end, q.rs.spec, a, B)
+            if cp is not None:
+                src, dest = cp
                 if src < len(tq) and dest < len(tq) and tq[dest] != NULL:
                     got = held.get(tq[src])
                     if got is not None:
@@ -1118,13 +1097,14 @@ class Checker:
         in a block of its own (one block at two of those slots keeps only the
         later state)."""
         B = self.Bs[gi]
-        s = (pp.end - 1) // B
+        s = running_slot(pp.end, B)
         base = pp.end - pp.rs.spec
         seen: dict[int, int] = {}
-        for j in range(pp.rs.spec + 1):
-            if s + j >= len(table) or table[s + j] == NULL:
+        for slot, _t in written(pp.end, pp.rs.spec, B):
+            if slot >= len(table) or table[slot] == NULL:
                 continue
-            blk = table[s + j]
+            j = slot - s
+            blk = table[slot]
             if blk in seen:
                 i = seen[blk]
                 self._v(2, f"step {pp.step} ({when}) computes {pp.rs.rid} positions "

@@ -433,6 +433,7 @@ class VllmTarget:
                  "max_model_len ('none' mode), a layout with one slot per request; fuzz "
                  "Mamba with --prefix-caching on ('align' mode)"),
             )},
+            mamba_align=True,
         )
         self._fail_hybrid = False  # FailLoad on this config's groups: see hybrid_failed_loads
         self._reset_mirror()
