@@ -176,6 +176,8 @@ class AttentionReport:
     null_writes: int = 0  # computed positions whose K/V write hit a NULL entry (dropped)
     foreign_writes: int = 0  # blocks the unordered writer filled
     discarded_bad: int = 0  # discarded outputs that read NaN or garbage (not judged)
+    state_reads: int = 0  # align-mode Mamba: steps that started from a state in a block
+    checkpoints: int = 0  # align-mode Mamba: postprocess copies at a block edge
     kernel_max_err: float | None = None
     kernel_tol: float | None = None
     kernel_note: str = ""  # why vLLM's kernel did not run, if it did not
@@ -237,6 +239,8 @@ class _Stats:
     null_writes: int = 0
     foreign_writes: int = 0
     discarded_bad: int = 0
+    state_reads: int = 0
+    checkpoints: int = 0
     kernel_max_err: float | None = None
     steps: int = 0
 
@@ -505,6 +509,7 @@ class AttentionReplay:
             h0 = torch.zeros(self.shape.width, device=self.device)
         else:
             h0 = st.read(table[slot] if slot < len(table) else NULL)
+            self.st.state_reads += 1
         xs = state_inputs(kv_true(plen, gi, np.arange(a, b - rejected), self.shape))
         if rejected:
             drafts = np.arange(b - rejected, b)
@@ -566,6 +571,7 @@ class AttentionReplay:
             src, dest = cp
             if src < len(table) and dest < len(table) and NULL not in (table[src], table[dest]):
                 st.write(table[dest], st.read(table[src]))
+                self.st.checkpoints += 1
 
     # ------------------------------------------------------------ attention
 
@@ -745,7 +751,7 @@ def run_observations(cfg: Config, prompt_lens: dict[str, int], events_items: lis
         dtype=dtype, tol=tol, first_bad=st.first_bad, max_err=st.max_err,
         nan_reads=st.nan_reads, steps=st.steps, positions=st.positions,
         null_writes=st.null_writes, foreign_writes=st.foreign_writes,
-        discarded_bad=st.discarded_bad,
+        discarded_bad=st.discarded_bad, state_reads=st.state_reads, checkpoints=st.checkpoints,
         kernel_max_err=st.kernel_max_err,
         kernel_tol=KERNEL_TOL[dtype] if kernel is not None else None,
         kernel_note=why, kernel_failed=rp.kernel_failed, seconds=time.perf_counter() - t0)
@@ -802,6 +808,9 @@ def format_report(rep: AttentionReport, max_rows: int = 12) -> str:
                     if rep.foreign_writes else "")
                  + (f", discarded outputs that read NaN/garbage {rep.discarded_bad} (not judged)"
                     if rep.discarded_bad else ""))
+    if rep.state_reads or rep.checkpoints:
+        lines.append(f"  Mamba states in the worker's slots: {rep.state_reads} read from a block, "
+                     f"{rep.checkpoints} copied at a block edge")
     if rep.kernel_failed:
         lines.append(f"  vLLM kernel FAILED: {rep.kernel_failed}")
     if rep.kernel_max_err is not None:

@@ -9,6 +9,10 @@ fp32 and bf16. Prints one table; the whole run stays well under 8 minutes.
 
 Without a GPU it runs the same check on the CPU and says so; the exit status
 is then 3 unless --cpu-ok (the GPU confirmation did not happen).
+A trace whose ``meta.target`` names a target (a layout only that target
+builds: vLLM's align-mode Mamba) is replayed there, unless --target is
+given; that target must be installed (``make vllm VLLM=0.33.0``), or its row
+is an ERROR.
 Exit status: 0 every trace as expected (counterexamples garbled or NaN, clean
 traces clean, vLLM's kernel agreeing with torch), 1 otherwise, 2 bad usage,
 3 no GPU (without --cpu-ok).
@@ -28,6 +32,7 @@ import torch  # noqa: E402
 
 from confirm.attention import AttentionReport, replay_attention  # noqa: E402
 from confirm.attention_kernels import pick_device  # noqa: E402
+from impl.target import make_target  # noqa: E402
 from model.events import Trace, TraceError  # noqa: E402
 
 
@@ -37,7 +42,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="without a GPU, run on the CPU and exit 0 if all is as expected")
     p.add_argument("--traces", default=str(ROOT / "traces" / "attention"),
                    help="folder of trace JSON files (default traces/attention)")
-    p.add_argument("--target", default="reference")
+    p.add_argument("--target", default=None,
+                   help="replay every trace on this target (default: the trace's meta.target, "
+                        "else reference)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default=None,
                    help="default: both on a GPU, fp32 on the CPU")
     p.add_argument("--head-dim", type=int, default=16,
@@ -81,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               "on the CPU; the GPU confirmation did NOT run")
     t_start = time.perf_counter()
     rows, all_ok, kernels, notes = [], True, set(), set()
+    targets: dict[str, object] = {}  # one per target name (a vLLM's worker starts once)
     for path in paths:
         try:
             trace = Trace.load(path)
@@ -93,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((path.stem, dt, "-", "-", "-", "-", "-", "SKIPPED (time budget)", 0.0))
                 all_ok = False
                 continue
+            name = a.target or trace.meta.get("target", "reference")
             try:
-                rep = replay_attention(trace, a.target, device=dev, dtype=dt, heads=a.heads,
-                                       head_dim=a.head_dim)
+                if name not in targets:
+                    targets[name] = make_target(name)
+                rep = replay_attention(trace, targets[name], device=dev, dtype=dt,
+                                       heads=a.heads, head_dim=a.head_dim)
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the rest
                 rows.append((path.stem, dt, "-", "-", "-", "-", "-",
                              f"ERROR {type(e).__name__}: {e}"[:60], 0.0))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from confirm.attention import (
+    AttentionReplay,
     format_report,
     replay_attention,
     run_observations,
@@ -292,6 +293,51 @@ def test_mamba_and_chunked_local_and_hybrid_groups_run():
         assert rep.ok and rep.positions == 100 * len(groups), cfg.label()
 
 
+# Mamba in vLLM's align mode: states in the worker's slots (model/mamba_slots.py).
+# B = 4, two drafts; r0 (prompt 5) prefills [0, 5) (state after 4 in slot 1),
+# decodes [5, 8) (after 5, 6, 7 in slots 1, 2, 3), both drafts accepted: the
+# count reaches the edge at 8 and the postprocess copies slot 3 into slot 1,
+# where the next step, [8, 11), starts from (after 8, 9, 10 in slots 2, 3, 4).
+
+
+def _align_stream(last_table=(1, 2, 3, 4, 5)):
+    return [[], [*_allocs("r0", [1, 2]), _step(0, "r0", 0, 5, [1, 2])], [ProcessObs(0)],
+            [*_allocs("r0", [3, 4], 2), _step(1, "r0", 5, 8, [1, 2, 3, 4], spec=2)],
+            [ProcessObs(1, (("r0", 2),))],
+            [*_allocs("r0", [5], 4), _step(2, "r0", 8, 11, list(last_table), spec=2)],
+            [ProcessObs(2, (("r0", 2),))]]
+
+
+def _align_cfg() -> Config:
+    return Config(groups=(Group("mamba"),), block_size=4, num_blocks=16, spec_tokens=2,
+                  depth=1, prefix_caching=True)
+
+
+def test_align_mamba_states_follow_the_worker_slots(monkeypatch):
+    rep = run_observations(_align_cfg(), {"r0": 5}, _align_stream(), device="cpu",
+                           mamba_align=True)
+    assert rep.ok and rep.max_err <= FP32_TOL, format_report(rep)
+    assert rep.positions == 11 and rep.state_reads == 2 and rep.checkpoints == 1
+    # without the postprocess copy step 2 would start from the state after 5
+    monkeypatch.setattr(AttentionReplay, "_checkpoint", lambda self, r, rejected: None)
+    rep = run_observations(_align_cfg(), {"r0": 5}, _align_stream(), device="cpu",
+                           mamba_align=True)
+    fb = rep.first_bad
+    assert fb is not None and (fb.step, fb.position) == (2, 8), format_report(rep)
+
+
+def test_align_mamba_block_named_at_two_slots_garbles_the_state_left():
+    """Step 2's table names block 3 at slots 2 and 4: the state after 10 lands
+    on the state after 8, which the next step would start from had it
+    rejected both drafts."""
+    rep = run_observations(_align_cfg(), {"r0": 5}, _align_stream((1, 2, 3, 4, 3)),
+                           device="cpu", mamba_align=True)
+    fb = rep.first_bad
+    assert fb is not None and (fb.step, fb.position, fb.kind) == (2, 8, "garbled"), (
+        format_report(rep))
+    assert "left at slot 2 (block 3)" in str(fb) and rep.max_err > 1e3 * FP32_TOL
+
+
 def test_format_report_names_the_first_bad_read():
     rep = run_observations(_cfg(policy="optimistic", spec_tokens=2), {"r0": 29},
                            _spec_stream("optimistic"), device="cpu")
@@ -390,6 +436,12 @@ def _fixed(name: str) -> Trace:
     return Trace.load(TRACES / f"{name}.json")
 
 
+def _target_of(t: Trace):
+    """The target a trace names (a layout only it builds), else the reference."""
+    name = t.meta.get("target", "reference")
+    return vllm_target(name[len("vllm@"):]) if name.startswith("vllm@") else name
+
+
 def _with(t: Trace, **kw) -> Trace:
     return Trace(replace(t.config, **kw), list(t.events), dict(t.meta))
 
@@ -441,7 +493,7 @@ def test_fixed_set_matches_its_metadata():
     assert any(p.stem.startswith("long-") for p in paths)
     for p in paths:
         t = Trace.load(p)
-        rep = replay_attention(t, "reference", device="cpu")
+        rep = replay_attention(t, _target_of(t), device="cpu")
         if t.meta.get("expect_violation"):
             assert not rep.ok, p.stem
             assert rep.first_bad.kind == t.meta["expect_kind"], p.stem
@@ -461,6 +513,36 @@ def test_long_traces_reach_the_dangerous_situations():
     for w in ("free_while_in_flight", "rollback_near_free", "preempt_in_flight",
               "failed_load", "block_reused"):
         assert w in seen, w
+
+
+# Finding 10 (findings/README.md): one block at two slots of the worker's
+# table. The checker names the step; the align-mode replay must garble there.
+FINDING10 = ["mamba-align-relocated-block-written-twice",
+             "mamba-align-relocated-block-checkpoint-overwritten"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", FINDING10)
+def test_finding10_wrong_mamba_state_at_the_named_step(name):
+    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    rep = replay_attention(t, vllm_target("0.33.0"), device="cpu")
+    named = rep.named_step(2)
+    assert named is not None, "the checker should flag property 2 on this trace"
+    assert not rep.ok and rep.first_bad.kind == "garbled", format_report(rep)
+    assert rep.first_bad.step == named and rep.first_bad.group == 0, format_report(rep)
+    assert rep.max_err > 1e3 * FP32_TOL and rep.nan_reads == 0
+
+
+@pytest.mark.vllm
+def test_align_mamba_control_with_drafts_matches():
+    """The control beside finding 10: align mode, three drafts (K < B), rejections
+    with a step in flight, block-edge copies, prefix hits; exact on 0.33.0."""
+    t = _fixed("long-mamba-align-drafts")
+    assert t.config.prefix_caching and t.config.spec_tokens > 0
+    rep = replay_attention(t, _target_of(t), device="cpu")
+    assert rep.ok and rep.max_err <= FP32_TOL and not rep.violations, format_report(rep)
+    assert rep.state_reads > 10 and rep.checkpoints > 5
+    assert any("rejected" in r.note for r in rep.rows)
 
 
 # ------------------------------------------------------------------ gpu_check
