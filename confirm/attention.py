@@ -60,7 +60,8 @@ What runs when (the device timeline this replay models)::
   against the dense recurrence over the true tokens, and each state the
   step leaves for the next one (its running state and its accepted drafts'),
   read back from its block after all writes of the step: one overwritten
-  there garbles that position, at the step that left it. Connector loads
+  there garbles that position, at the step that left it (one written
+  through NULL is dropped: NaN). Connector loads
   deliver the state at the load's end into its slot; block copies
   (``StepObs.copies``) run before the step's kernel.
 * One layer per group: a bad read garbles that position's output, not the
@@ -536,17 +537,20 @@ class AttentionReplay:
             got = [run.hs[:n].float().cpu()]
             where = [""] * n
             for sl, t in written(run.b, r.rs.spec, B):
-                if run.a <= t < run.a + n and sl < len(run.table) and run.table[sl] != NULL:
-                    got.append(st.read(run.table[sl]).cpu()[None])
-                    pos = np.append(pos, t)
-                    where.append(f"the state after it left at slot {sl} (block "
-                                 f"{run.table[sl]}) for the next step")
+                if not run.a <= t < run.a + n:
+                    continue
+                # a state written through NULL is dropped: the next step reads NULL there
+                blk = run.table[sl] if sl < len(run.table) else NULL
+                got.append(st.read(blk).cpu()[None])
+                pos = np.append(pos, t)
+                where.append(f"the state after it left at slot {sl} (block {blk}) for the "
+                             f"next step")
             g = torch.cat(got)
             ref = self.dense.after(run.plen, gi, pos)
             isnan = torch.isnan(g).any(1)
             err = torch.where(isnan, torch.zeros(()), (g - ref).abs().amax(1))
             worst, nan_rows, bad = float(err.max()) if len(err) else 0.0, 0, None
-            nan_rows = int(isnan[:n].sum())
+            nan_rows = int(isnan.sum())
             for i in (isnan | (err > self.tol)).nonzero().flatten().tolist():
                 cand = BadRead(0, r.rs.rid, int(pos[i]),
                                "nan" if bool(isnan[i]) else "garbled", gi,
