@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+from .mamba_slots import running_slot
+
 Ranges = tuple[tuple[int, int], ...]
 
 
@@ -385,7 +387,7 @@ class Mamba(Kind):
         that step (:func:`model.mamba_slots.start_slot`)."""
         if e <= a:
             return range(0)
-        last = (e - 1) // block_size
+        last = running_slot(e, block_size)
         first = (a - 1) // block_size if a > 0 else last
         out = [first, last] if first < last else [last]
         if self.spec_blocks:

@@ -28,7 +28,10 @@ starts from the slot of position ``a - 1``: a prefix hit's state.
 
 from __future__ import annotations
 
-from .events import Config
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # model.events imports the kinds, which use this module
+    from .events import Config
 
 
 def worker_slots(cfg: Config) -> bool:
