@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from confirm.attention import AttentionReport, replay_attention  # noqa: E402
 from confirm.attention_kernels import pick_device  # noqa: E402
-from impl.target import make_target  # noqa: E402
+from impl.target import TargetError, make_target  # noqa: E402
 from model.events import Trace, TraceError  # noqa: E402
 
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               "on the CPU; the GPU confirmation did NOT run")
     t_start = time.perf_counter()
     rows, all_ok, kernels, notes = [], True, set(), set()
+    not_run = 0  # rows whose target is not installed here: shown, not counted as passed
     targets: dict[str, object] = {}  # one per target name (a vLLM's worker starts once)
     for path in paths:
         try:
@@ -105,6 +106,17 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if name not in targets:
                     targets[name] = make_target(name)
+            except TargetError as e:  # e.g. vLLM not installed on the GPU machine
+                rows.append((path.stem, dt, "-", "-", "-", "-", "-", f"NOT RUN ({name})", 0.0))
+                notes.add(f"not run: {e}")
+                not_run += 1
+                continue
+            except Exception as e:  # noqa: BLE001
+                rows.append((path.stem, dt, "-", "-", "-", "-", "-",
+                             f"ERROR {type(e).__name__}: {e}"[:60], 0.0))
+                all_ok = False
+                continue
+            try:
                 rep = replay_attention(trace, targets[name], device=dev, dtype=dt,
                                        heads=a.heads, head_dim=a.head_dim)
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the rest
@@ -140,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note:    {n}")
     print(f"traces:  {len(paths)} x {'/'.join(dtypes)} in {total:.1f}s")
     print(f"verdict: {'ALL AS EXPECTED' if all_ok else 'NOT AS EXPECTED'}"
+          + (f" ({not_run} row(s) NOT RUN: target not installed)" if not_run else "")
           + ("" if on_gpu else " (on the CPU)"))
     if not all_ok:
         return 1
+    if not_run and not_run == len(rows):
+        print("gpu_check: no row ran (no trace's target is installed here)", file=sys.stderr)
+        return 3
     if not on_gpu and not a.cpu_ok:
         print("gpu_check: no GPU: pass --cpu-ok to accept a CPU-only run", file=sys.stderr)
         return 3

@@ -576,6 +576,25 @@ def test_gpu_check_without_gpu_says_so_and_exits_3(tmp_path, capsys):
     assert code == 3 and "did NOT run" in out.out and "--cpu-ok" in out.err
 
 
+def test_gpu_check_shows_a_row_whose_target_is_not_installed(tmp_path, capsys):
+    """A GPU machine may lack the vLLM a trace's layout needs: that row is shown
+    as NOT RUN and named in the verdict, the others still judged; a run in which
+    no row ran is exit 3, not a pass."""
+    import json
+
+    (tmp_path / "a.json").write_text((TRACES / "spec-reject-null-settled.json").read_text())
+    other = json.loads((TRACES / "spec-reject-null-settled.json").read_text())
+    other.setdefault("meta", {})["target"] = "vllm@0.27.0"  # supported, never installed here
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    code = _gpu_check().main(["--traces", str(tmp_path), "--cpu-ok"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "NOT RUN (vllm@0.27.0)" in out and "1 row(s) NOT RUN" in out
+    (tmp_path / "a.json").unlink()
+    code = _gpu_check().main(["--traces", str(tmp_path), "--cpu-ok"])
+    assert code == 3, capsys.readouterr().out
+
+
 # ------------------------------------------------------------- real vLLM managers
 
 
