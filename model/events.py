@@ -309,6 +309,11 @@ class Config:
     # vLLM's cache_config.prefix_match_unit: the hash unit, finer than the blocks
     # (0: unset, vLLM's default); saved when set. See :attr:`partial_hits`.
     prefix_match_unit: int = 0
+    # the engine runs every batch on one ordered forward stream and writes a
+    # slot only from a later batch (SGLang: ``_apply_war_barrier``): under
+    # ``hazard = ordered`` an out-of-window free that an unprocessed step still
+    # reads is harmless (docs/SEMANTICS.md, SGLang); saved when true
+    stream_ordered: bool = False
 
     def __post_init__(self) -> None:
         # vLLM's planner tags every sliding window with the drafter's retained
@@ -422,6 +427,7 @@ class Config:
             + (f" drafter={self.drafter}" if self.drafter != "ngram" else "")
             + (" load-failure=fail" if self.kv_load_failure_policy == "fail" else "")
             + (f" prefix-match-unit={self.prefix_match_unit}" if self.prefix_match_unit else "")
+            + (" stream-ordered" if self.stream_ordered else "")
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -436,6 +442,8 @@ class Config:
             del d["kv_load_failure_policy"]
         if not self.prefix_match_unit:
             del d["prefix_match_unit"]
+        if not self.stream_ordered:
+            del d["stream_ordered"]
         return d
 
     @staticmethod
@@ -537,6 +545,8 @@ class Config:
             )
         if not isinstance(self.prefix_caching, bool):
             raise TraceError("config: prefix_caching must be true or false")
+        if not isinstance(self.stream_ordered, bool):
+            raise TraceError("config: stream_ordered must be true or false")
         if self.max_num_batched_tokens <= self.spec_tokens:
             raise TraceError("config: the token budget must exceed spec_tokens")
         if not isinstance(self.drafter, str) or self.drafter not in DRAFTERS:

@@ -82,6 +82,10 @@ WITNESSES = {
                    "it (copy-on-write: prefix_match_unit below a Mamba group's block)",
     "partial_tail_copied": "a Mamba state at a prompt's last hash boundary copied out before "
                            "the request's next step overwrites it",
+    "free_read_in_flight": "a window free of a block an unprocessed step still reads (stream-"
+                           "ordered engines: harmless under hazard ordered, property 1's "
+                           "under unordered)",
+    "cache_evicted": "a block the prefix cache kept, handed out afresh (evicted)",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
@@ -334,6 +338,10 @@ def expected_witnesses(cfg: Config) -> set[str]:
             out.add("fine_grained_hit")
         if cfg.partial_hits:
             out.add("partial_hit")
+    if cfg.stream_ordered and cfg.prefix_caching:
+        out.add("cache_evicted")
+        if cfg.depth >= 2 and local:
+            out.add("free_read_in_flight")
     if any(g.spec.reprefill() for g in cfg.groups):
         out.add("reprefill_reach")
     if cfg.spec_tokens and any(g.spec.holds_state for g in cfg.groups):
@@ -348,6 +356,8 @@ class Checker:
 
     def __init__(self, cfg: Config, content: bool = True):
         self.cfg = cfg
+        # out-of-window frees behind one ordered forward stream, no unordered writer
+        self._stream_ordered = cfg.stream_ordered and cfg.hazard == "ordered"
         self.B = cfg.block_size  # the unit of FailLoad's first_bad_block
         self.Bs = cfg.block_sizes  # per group: tokens per logical block
         self._fine = tuple(b > cfg.hash_block_size for b in self.Bs) if cfg.prefix_caching \
@@ -726,6 +736,8 @@ class Checker:
             if a.cached and self._fine[a.group]:
                 self.witness["fine_grained_hit"] += 1
         self.last_owner[a.block] = a.rid
+        if not a.cached and self.cfg.prefix_caching and a.block in self.content:
+            self.witness["cache_evicted"] += 1
         if not a.cached:
             if self.bad:
                 self.bad.pop(a.block, None)
@@ -926,15 +938,28 @@ class Checker:
                        f"every step of the request) returned out-of-window{during} at settled "
                        f"count {p}; nothing of {g.kind} is freeable before the request ends",
                     step=hit[0].step if hit is not None else None, rid=f.rid, block=f.block)
+        elif hit is not None and self._stream_ordered:
+            # one ordered forward stream: only a later step writes the block,
+            # after this one read it; a rollback (drafts) could still need it
+            self.witness["free_read_in_flight"] += 1
+            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, p, B, P):
+                self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
+                           f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
+                           f"out-of-window though a rollback to the settled count {p} needs "
+                           f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} "
+                           f"({g.label()})", rid=f.rid, block=f.block)
         elif hit is not None:
             pp, t = hit
+            if self.cfg.stream_ordered:
+                self.witness["free_read_in_flight"] += 1
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
                        f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
                     step=pp.step, rid=f.rid, block=f.block)
-        elif f.logical not in freeable_blocks(g, p, B, P):
+        elif f.logical not in freeable_blocks(g, p, B, P) and not (
+                self._stream_ordered and not self.cfg.spec_tokens):
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "

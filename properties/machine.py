@@ -127,6 +127,7 @@ class FuzzSpec:
     drafter: str = "ngram"  # how drafts are proposed (model.events.DRAFTERS)
     hazard: str | None = None
     prefix_caching: bool | None = None
+    stream_ordered: bool | None = None  # Config.stream_ordered (a target pins it)
     block_size: int | None = None
     # "mixed": a hybrid's groups draw block sizes of 1, 2 or 4 times B (vLLM's
     # page-size unification), so prefix hashes are finer than some groups' blocks
@@ -144,6 +145,7 @@ class FuzzSpec:
     def key(self) -> str:
         return (f"{self.target}|{self.kind}|{self.policy}|d{self.depth}|s{self.spec_tokens}|"
                 f"h{self.hazard}|pc{self.prefix_caching}|b{self.block_size}"
+                + ("|so" if self.stream_ordered else "")
                 + ("" if self.fail_loads else "|nofail")
                 + ("" if self.aligned_loads else "|unaligned")
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
@@ -237,6 +239,7 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                      max_num_batched_tokens=budget, max_num_seqs=MAX_REQUESTS,
                      max_model_len=max_len, spec_tokens=spec_tokens, depth=depth,
                      policy=spec.policy, hazard=hazard, prefix_caching=prefix,
+                     stream_ordered=bool(spec.stream_ordered),
                      drafter=spec.drafter if spec_tokens else "ngram",
                      kv_load_failure_policy=spec.load_failure,
                      prefix_match_unit=(B // draw(_sampled((2, 4)))

@@ -104,7 +104,8 @@ class Driver:
         self.kind = g.kind
         set_global_server_args_for_scheduler(ServerArgs(
             model_path="dummy", page_size=B, chunked_prefill_size=cfg.max_num_batched_tokens,
-            max_running_requests=cfg.max_num_seqs, disable_radix_cache=True))
+            max_running_requests=cfg.max_num_seqs,
+            disable_radix_cache=not cfg.prefix_caching))
         size = (cfg.num_blocks - 1) * B  # tokens; page 0 is SGLang's padding slot
         self.r2t = ReqToTokenPool(size=cfg.max_num_seqs + 1,
                                   max_context_len=cfg.max_model_len + 2 * B + 1,
@@ -133,8 +134,10 @@ class Driver:
             window = None
         self.cache = UnifiedRadixCache(params=CacheInitParams(
             req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=B,
-            disable=True, sliding_window_size=window, tree_components=comps))
+            disable=not cfg.prefix_caching, sliding_window_size=window,
+            tree_components=comps))
         self._hook_frees()
+        self._hook_tree()
         import types
 
         self.model_config = types.SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
@@ -150,7 +153,10 @@ class Driver:
         self.reqs: dict[str, Any] = {}
         self.status: dict[str, str] = {}
         self.computed: dict[str, int] = {}
-        self.owner: dict[int, tuple[str, int]] = {}  # block -> (rid, logical)
+        # block -> the (rid, logical) slots whose rows name it (several: a
+        # prefix the tree shares); parked: pages only the tree keeps
+        self.holders: dict[int, set[tuple[str, int]]] = {}
+        self.parked: set[int] = set()
         self.tables: dict[str, list[int]] = {}
         self.step_no = 0
         self.items: list = []
@@ -182,19 +188,54 @@ class Driver:
 
             pool._release_page_ids = release
 
+    def _hook_tree(self) -> None:
+        """Name the reason of what the tree frees: an insert's duplicates (the
+        request's copy of KV the tree already holds) are ``dedup``."""
+        cache = self.cache
+        real = cache.insert
+
+        def insert(params, _real=real):
+            was, self.reason = self.reason, "dedup"
+            try:
+                return _real(params)
+            finally:
+                self.reason = was
+
+        cache.insert = insert
+
     def _freed(self, pages: list[int]) -> None:
         for p in pages:
             p = int(p)
             if p == NULL:
                 continue
-            who = self.owner.pop(p, None)
-            if who is None:
-                raise AssertionError(f"SGLang freed page {p}, which no request holds")
-            rid, logical = who
-            t = self.tables.get(rid)
-            if t is not None and logical < len(t) and t[logical] == p:
-                t[logical] = NULL
-            self.items.append(FreeObs(p, 0, rid, logical, self.reason))
+            who = self.holders.pop(p, None)
+            if not who:
+                if p not in self.parked:
+                    raise AssertionError(f"SGLang freed page {p}, which no request holds "
+                                         f"and the tree does not keep")
+                self.parked.discard(p)  # evicted from the tree
+                continue
+            self.parked.discard(p)
+            for rid, logical in sorted(who):
+                t = self.tables.get(rid)
+                if t is not None and logical < len(t) and t[logical] == p:
+                    t[logical] = NULL
+                self.items.append(FreeObs(p, 0, rid, logical, self.reason))
+
+    def _let_go(self, rid: str, reason: str) -> None:
+        """``rid``'s row is gone (released): the pages it still named stay with
+        the tree (a request's reference dropped, the page kept cached)."""
+        for j, p in enumerate(self.tables.get(rid, ())):
+            if p == NULL:
+                continue
+            who = self.holders.get(p)
+            if who is None or (rid, j) not in who:
+                continue
+            who.discard((rid, j))
+            if not who:
+                del self.holders[p]
+                self.parked.add(p)
+            self.items.append(FreeObs(p, 0, rid, j, reason))
 
     # ---------------------------------------------------------- tables
 
@@ -218,13 +259,25 @@ class Driver:
             have = old[j] if j < len(old) else NULL
             if p == have:
                 continue
+            if p != NULL and have != NULL:
+                # the row now names the tree's copy (an insert rebound it) while
+                # its own page was not freed: a reference dropped
+                who = self.holders.get(have)
+                if who is None or (rid, j) not in who:
+                    raise AssertionError(f"{rid} logical {j}: table says {p}, kvcheck saw {have}")
+                who.discard((rid, j))
+                if not who:
+                    del self.holders[have]
+                    self.parked.add(have)
+                self.items.append(FreeObs(have, 0, rid, j, "dedup"))
+                have = NULL
             if p != NULL and have == NULL:
-                if p in self.owner:
-                    raise AssertionError(f"page {p} handed to {rid} at logical {j} is held by "
-                                         f"{self.owner[p]}")
-                self.owner[p] = (rid, j)
-                self.items.append(AllocObs(p, 0, rid, j))
-            elif not (p == NULL and have != NULL and have not in self.owner):
+                who = self.holders.setdefault(p, set())
+                cached = bool(who) or p in self.parked
+                self.parked.discard(p)
+                who.add((rid, j))
+                self.items.append(AllocObs(p, 0, rid, j, cached=cached))
+            elif not (p == NULL and have != NULL and (rid, j) not in self.holders.get(have, ())):
                 raise AssertionError(f"{rid} logical {j}: table says {p}, kvcheck saw {have}")
         while len(old) < len(new):
             old.append(NULL)
@@ -419,6 +472,7 @@ class Driver:
         return batch
 
     def _retracted(self, req) -> None:
+        self._let_go(req.rid, "preempt")
         self.status[req.rid] = "preempted"
         self.computed[req.rid] = 0
         self.tables[req.rid] = []
@@ -459,7 +513,7 @@ class Driver:
                 req.output_ids.append(SAMPLED)
                 req.update_finish_state(1)
                 if req.finished():
-                    self._release(req, checkpoint=False)
+                    self._release(req, checkpoint=True)
         self.items[at] = ProcessObs(step, discarded=tuple(discarded))
 
     def _release(self, req, checkpoint: bool) -> None:
@@ -474,6 +528,7 @@ class Driver:
         self._ended(req.rid, why)
 
     def _ended(self, rid: str, why: str) -> None:
+        self._let_go(rid, "abort" if why == "abort" else "finish")
         self.items.append(FinishObs(rid, why))
         self.status[rid] = "finished"
         self.tables.pop(rid, None)
@@ -524,7 +579,8 @@ class Driver:
             self.ended.add(rid)
         self.just_finished = []
         B = cfg.block_size
-        free = self.pool.available_size() // B
+        # the allocator's free pages and those only the tree keeps (evictable)
+        free = self.pool.available_size() // B + len(self.parked)
         bound = -(-cfg.max_model_len // B)
         return Counters(free, cfg.num_blocks, out, (bound,))
 
@@ -541,9 +597,6 @@ def unsupported(cfg: Config) -> str | None:
     if cfg.depth > 2:
         return (f"depth {cfg.depth}: SGLang runs one batch in flight (overlap scheduler, "
                 f"depth 2) or none (depth 1)")
-    if cfg.hazard != "ordered":
-        return ("hazard unordered: SGLang's one unordered writer, HiCache's load stream, "
-                "is not driven (hazard ordered)")
     B = cfg.block_size
     if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
         # the sliding layout's full-attention pool has the SWA pool's size
@@ -551,6 +604,4 @@ def unsupported(cfg: Config) -> str | None:
                 f"ignore-EOS request only with room for its paged prompt, every new token and "
                 f"a reserve in each pool, so one request of max_model_len {cfg.max_model_len} "
                 f"needs {-(-(cfg.max_model_len + 2 * B) // B)} pages")
-    if cfg.prefix_caching:
-        return "prefix caching (the radix tree) is not driven: run with --no-prefix-caching"
     return None

@@ -84,11 +84,7 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
     pins = (
         ("spec_tokens", 0, why("speculative decoding is not driven (SGLang's draft workers "
                                "need a model); use --spec-tokens 0")),
-        ("hazard", "ordered", why("one forward stream orders every free before the next "
-                                  "write; HiCache's load stream (the one unordered writer) is "
-                                  "not driven; use --hazard ordered")),
-        ("prefix_caching", False, why("the radix tree is driven disabled "
-                                      "(--disable-radix-cache); use --no-prefix-caching")),
+        ("stream_ordered", True, why("one ordered forward stream runs every batch")),
     )
     return {"full": pins, "sliding": pins}
 
