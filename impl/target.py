@@ -49,6 +49,9 @@ def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
     kind, the policy it implements, the options a kind needs on it."""
     if spec.kind not in caps.kinds:
         raise Unsupported(f"target {target_name} does not support kind {spec.kind}")
+    if spec.depth is not None and spec.depth > caps.max_depth:
+        raise Unsupported(f"target {target_name} runs at most {caps.max_depth} step(s) in "
+                          f"flight; --depth {spec.depth} is over it")
     if caps.fixed_policy and spec.policy not in ("settled", caps.fixed_policy):
         raise Unsupported(f"target {target_name} implements the {caps.fixed_policy} policy; "
                           f"--policy {spec.policy} applies to the reference target only")

@@ -16,7 +16,9 @@ Item kinds:
 * :class:`FreeObs`: a request let go of a physical block (its reference was
   dropped; with prefix caching the block may stay cached in the pool), and
   why: ``window`` (out of the attention window), ``finish``, ``abort``,
-  ``preempt``, ``failed_load``, ``copy`` (a copy's hold, :class:`CopyObs`).
+  ``preempt``, ``failed_load``, ``copy`` (a copy's hold, :class:`CopyObs`),
+  ``dedup`` (the prefix cache already held the same KV: the request's copy
+  goes back and its slot names the cached block, SGLang's insert).
 * :class:`MoveObs`: a request's block moved from one logical slot to another
   of the same group, its old slot now NULL (vLLM's Mamba align mode relocates
   a speculative state block past the new running state); no reference changes.

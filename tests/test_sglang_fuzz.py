@@ -1,7 +1,9 @@
 """The ``sglang@0.5.23`` fuzz target (impl/sglang/target.py) on a fresh
 install (``make sglang``): a short fuzz of each kind through the CLI, with
-witnesses that show the frees it is about happened, and a replay of
-traces/sglang/. A missing install fails here (the target's one line)."""
+witnesses that show the frees it is about happened, replays of
+traces/sglang/ and findings/sglang/ (the hazard model: stream-ordered frees
+hold under ``ordered`` and are property 1 under ``unordered``). A missing
+install fails here (the target's one line)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from properties.invariants import WITNESSES
 REPO = compat.REPO
 TARGET = "sglang@0.5.23"
 TRACE = REPO / "traces" / "sglang" / "chunked-overlap-retract-0.5.23.json"
+RADIX_EXAMPLES, RADIX_SEED = 30, 1
+FINDINGS = REPO / "findings" / "sglang"
+RADIX = FINDINGS / "radix-checkpoint-frees-in-flight-chunk-unordered.json"
+ABORT = FINDINGS / "chunked-abort-releases-in-flight-chunk-unordered.json"
 
 
 def _kvcheck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -24,11 +30,11 @@ def _kvcheck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _fuzz(tmp_path, kind: str) -> dict:
+def _fuzz(tmp_path, kind: str, *extra: str, examples: int = 4, seed: int = 3) -> dict:
     out = tmp_path / f"{kind}.json"
-    p = _kvcheck("fuzz", "--target", TARGET, "--kind", kind, "--examples", "4", "--seed", "3",
-                 "--workers", "1", "--quiet", "--no-report", "--out", str(tmp_path / "cx"),
-                 "--json", str(out))
+    p = _kvcheck("fuzz", "--target", TARGET, "--kind", kind, "--examples", str(examples),
+                 "--seed", str(seed), "--workers", "1", "--quiet", "--no-report",
+                 "--out", str(tmp_path / "cx"), "--json", str(out), *extra)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -59,10 +65,54 @@ def test_replay_of_chunked_prefill_retraction_and_abort():
     assert "(preempt)" in out and "(abort)" in out and "(window)" in out, out[-3000:]
 
 
+def test_sliding_radix_fuzz_holds_ordered_with_radix_frees_hits_and_evictions(tmp_path):
+    res = _fuzz(tmp_path, "sliding", "--prefix-caching", "on", "--hazard", "ordered",
+                examples=RADIX_EXAMPLES, seed=RADIX_SEED)
+    assert res["verdict"] == "holds", res
+    w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
+    # the radix checkpoint freed a slot its chunk in flight reads (stream-
+    # ordered: not property 1), requests hit prefixes others wrote, and the
+    # tree evicted cached pages that were handed out again
+    assert w["free_read_in_flight"] > 0 and w["prefix_hit"] > 0, w
+    assert w["cache_evicted"] > 0 and w["drained"] > 0, w
+
+
+def _replay(path, tmp_path, **config) -> subprocess.CompletedProcess:
+    if config:
+        t = json.loads(path.read_text())
+        t["config"].update(config)
+        path = tmp_path / path.name
+        path.write_text(json.dumps(t))
+    return _kvcheck("replay", str(path), "--target", TARGET, "--no-report")
+
+
+def test_radix_checkpoint_free_is_property_1_only_with_an_unordered_writer(tmp_path):
+    p = _replay(RADIX, tmp_path)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    for blk, t in ((1, 0), (2, 1), (3, 2)):
+        assert (f"block {blk} (logical {t} of r0, positions [{t}, {t + 1})) returned "
+                f"out-of-window while step 0 is unprocessed") in p.stdout, p.stdout[-3000:]
+    # one ordered forward stream, no unordered writer: the same frees hold
+    p = _replay(RADIX, tmp_path, hazard="ordered")
+    assert p.returncode == 0 and "verdict: all properties hold" in p.stdout, p.stdout[-3000:]
+    # judged as vLLM's out-of-window frees are (always), they are property 1
+    p = _replay(RADIX, tmp_path, hazard="ordered", stream_ordered=False)
+    assert p.returncode == 1 and "returned out-of-window while step 0" in p.stdout
+
+
+def test_pending_chunked_abort_release_is_property_1_with_an_unordered_writer(tmp_path):
+    p = _replay(ABORT, tmp_path)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert ("block 1 returned to the pool (finish of r0) while step 0 of r0 still reads it"
+            in p.stdout), p.stdout[-3000:]
+    p = _replay(ABORT, tmp_path, hazard="ordered")
+    assert p.returncode == 0 and "verdict: all properties hold" in p.stdout, p.stdout[-3000:]
+
+
 @pytest.mark.parametrize("args, line", [
     (("--kind", "chunked_local"), "does not support kind chunked_local"),
     (("--kind", "sliding", "--spec-tokens", "2"), "speculative decoding is not driven"),
-    (("--kind", "sliding", "--hazard", "unordered"), "HiCache's load stream"),
+    (("--kind", "sliding", "--depth", "3"), "runs at most 2 step(s) in flight"),
 ])
 def test_unsupported_options_are_one_line_exit_2(args, line):
     p = _kvcheck("fuzz", "--target", TARGET, *args, "--examples", "1", timeout=120)

@@ -19,8 +19,15 @@ NULL). Frees are read where the allocator really takes pages back
 ``PagedTokenToKVPoolAllocator._release_page_ids``), the reason from the call
 SGLang made (eviction inside ``prepare_for_*`` or a checkpoint: ``window``;
 ``release_req``: ``preempt``; ``release_kv_cache`` at a finish: ``finish`` /
-``abort``). Tables are read off ``req_to_token`` (through
-``full_to_swa_index_mapping`` for the SWA pool) after each schedule.
+``abort``; the tree's ``insert``: ``dedup``), one FreeObs per request whose
+row names the page. With the radix tree a page may be named by several rows
+(a shared prefix) or by none while the tree keeps it (``parked``: counted
+free, as evictable); a released row's pages the tree keeps are returned
+(a reference dropped) when SGLang's release call returns, and a page the tree
+evicts leaves ``parked`` when the allocator takes it back. Tables are read
+off ``req_to_token`` (through ``full_to_swa_index_mapping`` for the SWA pool)
+after each schedule; a page newly named there that another row names or the
+tree keeps is a prefix hit (``AllocObs.cached``).
 """
 
 from __future__ import annotations

@@ -12,21 +12,25 @@ What runs
   (page size 1) or paged allocator; ``sliding``: a hybrid ``SWAKVPool`` (one
   SWA layer, one full layer, pools of equal size) with
   ``SWATokenToKVPoolAllocator``; the group kvcheck sees is the SWA pool (the
-  full layer's pool frees only at a request's end). Blocks are pages:
-  ``B = page_size``, ``num_blocks - 1`` pages (page 0 is SGLang's padding
-  slot: NULL). The cache is ``UnifiedRadixCache`` disabled (``disable=True``,
-  what ``--disable-radix-cache`` builds), so prefix caching is refused.
+  full layer's pool frees only at a request's end or by eviction). Blocks
+  are pages: ``B = page_size``, ``num_blocks - 1`` pages (page 0 is SGLang's
+  padding slot: NULL). The cache is ``UnifiedRadixCache`` (full, or full +
+  SWA): enabled with prefix caching, disabled without (``disable=True``, what
+  ``--disable-radix-cache`` builds).
 * depth 2 is the overlap scheduler (``event_loop_overlap``, ``enable_overlap``
   on the batches), depth 1 the normal loop; deeper is refused (one line, exit
-  2), and so are spec tokens, hazard ``unordered`` (HiCache's load stream is
-  the one writer unordered with the forward stream; not driven) and other
-  kinds.
+  2), and so are spec tokens and other kinds. Configs are ``stream_ordered``
+  (one forward stream, ``_apply_war_barrier``); hazard ``unordered`` stands
+  for a loader writing a page the moment it is free (HiCache without its
+  ``load_fence_stream``; HiCache itself is not driven).
 
 How an event runs
 -----------------
 * AddRequest: a ``Req`` (prompt ``model.tokens.prompt_token``, ``max_new_tokens``,
   EOS ignored) appended to the waiting queue; external tokens are refused
-  (``can_apply`` False).
+  (``can_apply`` False). Its prefix is matched when ``PrefillAdder`` considers
+  it (``init_next_round_input``: ``match_prefix``, the hit locked by
+  ``add_one_req``).
 * Schedule: ``get_next_batch_to_run``: a pending abort of the chunked request
   (``release_kv_cache``), the chunked request's ``checkpoint_kv_cache``
   (``stash_chunked_request``), the last extend batch filtered and merged into
@@ -57,9 +61,13 @@ How an event runs
   path as an Abort.
 
 Observations: FreeObs where the reported allocator takes pages back (its
-free calls wrapped), AllocObs and tables from ``req_to_token``, counters from
+free calls wrapped; ``dedup`` inside the tree's ``insert``) for each request
+whose row names the page, and where a released row leaves a page with the
+tree (a reference dropped); AllocObs and tables from ``req_to_token`` (a page
+another row names or the tree kept: ``cached``, a prefix hit), counters from
 the requests (``computed`` the allocated length; no in-flight count:
-``in_flight`` None), the pool's ``available_size``.
+``in_flight`` None), free pages: the pool's ``available_size`` plus the
+pages only the tree keeps.
 """
 
 from __future__ import annotations

@@ -504,6 +504,9 @@ class VllmTarget:
     def reset(self, config: Config) -> Observed:
         if config.depth > self.capabilities.max_depth:
             raise Unsupported(f"{self.name}: depth {config.depth} > {self.capabilities.max_depth}")
+        if config.stream_ordered:
+            raise Unsupported(f"{self.name}: stream_ordered is SGLang's (vLLM's out-of-window "
+                              f"frees are judged whatever the writers); set it false")
         self._fail_hybrid = (len(config.groups) > 1 and config.hazard == "unordered"
                              and self.hybrid_failed_loads(config.kv_load_failure_policy))
         w = self._w()
