@@ -40,7 +40,7 @@ def _fuzz(tmp_path, kind: str, *extra: str, examples: int = 4, seed: int = 3) ->
 
 
 def test_sliding_fuzz_holds_with_window_frees_in_flight(tmp_path):
-    res = _fuzz(tmp_path, "sliding")
+    res = _fuzz(tmp_path, "sliding", "--prefix-caching", "off", "--hazard", "ordered")
     assert res["verdict"] == "holds", res
     w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
     # SGLang's SWA eviction freed blocks, some with another step of the
@@ -50,7 +50,7 @@ def test_sliding_fuzz_holds_with_window_frees_in_flight(tmp_path):
 
 
 def test_full_fuzz_holds_and_frees_nothing_early(tmp_path):
-    res = _fuzz(tmp_path, "full")
+    res = _fuzz(tmp_path, "full", "--prefix-caching", "off", "--hazard", "ordered")
     assert res["verdict"] == "holds", res
     w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
     assert w["window_free"] == 0 and w["drained"] > 0 and w["block_reused"] > 0, w
