@@ -198,3 +198,26 @@ def test_a_block_found_good_at_one_slot_is_checked_again_at_another():
     msg = only_prop2(schedule(ch, 2, [("a", 8, 9, (2, 1, 4))],
                               [("a", 0, 2, True), ("a", 1, 1, True), ("a", 2, 4, False)]))
     assert "block 2 (logical 0)" in msg
+
+
+def test_stream_ordered_frees_are_judged_by_the_hazard():
+    """Config.stream_ordered (SGLang's one forward stream): the optimistic
+    free of slots 0-4 under the in-flight chunk [0, 8) is property 1 as vLLM's
+    rule judges it, the free_read_in_flight witness when stream-ordered with
+    no unordered writer, and property 1 again under hazard unordered."""
+    from dataclasses import replace
+
+    from model.events import AddRequest, Config, Group, Schedule, Trace
+    from properties.replay import replay
+
+    cfg = Config(groups=(Group("sliding", 4),), block_size=1, num_blocks=64,
+                 max_num_batched_tokens=8, max_model_len=32, depth=2, policy="optimistic")
+    events = [AddRequest("r0", 16, 2), Schedule(), Schedule()]
+    got = {}
+    for c in (cfg, replace(cfg, stream_ordered=True),
+              replace(cfg, stream_ordered=True, hazard="unordered")):
+        r = replay(Trace(c, events), "reference", stop_at_first=False)
+        got[(c.stream_ordered, c.hazard)] = (sorted({v.prop for v in r.violations}),
+                                            r.witness.get("free_read_in_flight", 0))
+    assert got == {(False, "ordered"): ([1], 0), (True, "ordered"): ([], 5),
+                   (True, "unordered"): ([1], 5)}, got

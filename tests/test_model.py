@@ -104,6 +104,7 @@ def test_save_never_overwrites(tmp_path):
     (lambda d: d.update(meta={"target": 5}), "meta.target"),
     (lambda d: d["events"][0].update(variant="b"), "integer"),
     (lambda d: d["events"][3].update(accepted={"r0": 7}), "spec_tokens"),
+    (lambda d: d["config"].update(stream_ordered="yes"), "stream_ordered"),
 ])
 def test_malformed_traces_are_one_line_errors(mutate, fragment):
     d = json.loads(_trace().dumps())
@@ -210,3 +211,11 @@ def test_cross_attention_takes_the_encoder_budget_at_startup():
     cfg = config_for("cross", block_size=16, max_model_len=128, max_num_batched_tokens=128,
                      encoder_len=40, num_blocks=40)
     assert startup_blocks(cfg) == 1 + 8 + 8
+
+
+def test_stream_ordered_is_saved_only_when_set():
+    cfg = Config(groups=(Group("sliding", 4),), block_size=1)
+    assert "stream_ordered" not in cfg.to_json()
+    on = Config.from_json({**cfg.to_json(), "stream_ordered": True})
+    assert on.stream_ordered and on.to_json()["stream_ordered"] is True
+    assert "stream-ordered" in on.label() and "stream-ordered" not in cfg.label()
