@@ -68,3 +68,20 @@ def _observe(t: Trace):
     target = vllm_target("0.33.0")
     target.reset(t.config)
     return [target.apply(ev) for ev in t.events]
+
+
+IN_FLIGHT_CHUNKS = ROOT / "traces" / "vllm" / "mamba-drafts-state-per-chunk-in-flight-0.33.0.json"
+
+
+def test_a_mamba_request_holds_a_state_per_chunk_in_flight_beside_its_draft_slots():
+    """Depth 4, four drafts, four 16-token chunks in flight: r0 holds 9 live
+    Mamba blocks, more than cdiv(max_model_len, B) = 8; the bound the target
+    reports for the group is vLLM's table row with a block per draft
+    (cdiv(max_model_len, B) + K = 12), and the trace holds."""
+    t = Trace.load(IN_FLIGHT_CHUNKS)
+    cfg = t.config
+    rows = cfg.max_model_len // cfg.block_size
+    obs = _observe(t)
+    assert obs[-1].counters.bound[2] == rows + cfg.spec_tokens
+    assert max(rc.live[2] for o in obs for rc in o.counters.reqs.values()) == 9 > rows
+    assert replay(t, "vllm@0.33.0").first is None

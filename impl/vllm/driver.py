@@ -505,12 +505,14 @@ class Driver:
                 self.kv_cache_utils, self.hashing, vc.cache_config.prefix_caching_hash_algo,
                 hash_block_size, getattr(vc, "num_hash_lookahead_tokens", 0))
         # a group whose blocks hold no positions (a ring, the encoder's outputs)
-        # is sized by its spec's own per-request share of the pool
+        # is sized by its spec's own per-request share of the pool; the others
+        # by their table row, Mamba's with a state block per draft
+        # (MambaSpec.max_num_blocks_per_req in align mode)
         self.bound = tuple(
             compat.admission_cap(m)
             or (m.kv_cache_spec.max_memory_usage_bytes(vc) // m.kv_cache_spec.page_size_bytes
                 if not g.spec.reads_positions else None)
-            or -(-cfg.max_model_len // B)
+            or -(-cfg.max_model_len // B) + g.spec.speculative_blocks(cfg.spec_tokens)
             for m, g, B in zip(self.mgrs, cfg.groups, cfg.block_sizes, strict=True)
         )
         # observation state
