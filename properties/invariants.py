@@ -289,14 +289,20 @@ def compare_letgo(ev: Event, mine: Observed, twin: Observed, target: str,
     event must let go of the same blocks (request, group, logical slot; a
     window free or the end of the request). Returns (violation, why the twin
     parts): where the steps differ (a scheduling difference of the two
-    managers, docs/DIFFERENCES.md, not a freeing one) or the reference drops
+    managers, docs/DIFFERENCES.md, not a freeing one), the reference drops
     slots of a failed load below the window (DIFFERENCES.md, 1: vLLM frees
-    nothing there) the twin stops, with no verdict."""
+    nothing there) or the target restarts a request whose load failed (a
+    recovery of a fixed tree) the twin stops, with no verdict."""
     a, b = _shares(mine), _shares(twin)
     if a != b:
         return None, f"the steps differ at {type(ev).__name__}: {target} {a}, settled {b}"
     if any(type(f) is FreeObs and f.reason == "failed_load" for f in twin.items):
         return None, "the reference drops a failed load's slots below the window"
+    failed = {r for p in mine.items if type(p) is ProcessObs for r, _ in p.failed}
+    if any(type(f) is FreeObs and f.rid in failed and f.reason == "preempt" for f in mine.items):
+        # a fixed tree's recovery (findings/fixes/): the request restarts as
+        # preempted where the reference recomputes into the blocks it holds
+        return None, f"{target} restarts a request whose load failed"
     x, y = _letgo(mine), _letgo(twin)
     if x == y:
         return None, None
