@@ -138,6 +138,9 @@ class FuzzSpec:
     external: bool = True  # whether requests may carry connector-loaded tokens
     aligned_loads: bool = True  # connectors offer whole blocks (False: any token count)
     fail_loads: bool = True  # whether connector loads may fail
+    # Mamba joins hybrids with connector loads (set by fuzz() where the target
+    # survives failed loads on hybrids, VllmTarget.hybrid_failed_loads)
+    mamba_loads: bool = False
     load_failure: str = "recompute"  # Config.kv_load_failure_policy
     max_steps: int | None = None  # events per example; None: 30, 50 for R-SWA (long outputs)
     props: frozenset[int] = frozenset({1, 2, 3, 4, 5, 6, 7})  # the properties enforced
@@ -207,11 +210,12 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             # or Mamba beside them (Jamba-, Qwen3-Next-style): vLLM builds
             # block-sized Mamba states only with prefix caching (align mode),
             # and with connector loads it stops at findings/README.md's finding
-            # 5 (the Mamba kind finds that): Mamba joins only with --no-external
+            # 5 (the Mamba kind finds that): Mamba joins only with --no-external,
+            # or on a tree that survives failed loads on hybrids (mamba_loads)
             # (with a model-based drafter, only these: the CLI holds the options)
             mixes = [] if drafted else [("sliding",), ("chunked_local",),
                                         ("sliding", "chunked_local")]
-            if prefix and not spec.external:
+            if prefix and (not spec.external or spec.mamba_loads):
                 mixes += [("mamba",), ("sliding", "mamba")]
             if spec.block_sizes == "mixed":
                 # vLLM's chunked-local manager takes no block size but the
@@ -667,6 +671,9 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     import time
 
     target = target or make_target(spec.target)
+    survives = getattr(target, "hybrid_failed_loads", None)
+    if spec.kind == "hybrid" and spec.external and survives is not None:
+        spec.mamba_loads = survives(spec.load_failure)
     cls = make_machine(spec, target)
     if on_example is not None:
         cls.on_example = staticmethod(on_example)

@@ -157,3 +157,22 @@ def test_failed_loads_on_hybrids_only_where_the_tree_survives_them():
 
     tree = resolve(fixed).path[0]
     assert VllmTarget(str(tree)).hybrid_failed_loads() is True
+
+
+# ... and only there does Mamba join the hybrids the fuzzer draws with
+# connector loads: on the fixed tree it draws failed loads beside Mamba
+@pytest.mark.vllm
+def test_mamba_joins_hybrids_with_loads_only_where_the_tree_survives_them():
+    from properties.machine import FuzzSpec, fuzz
+
+    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
+    fixed = _target(f"0.33.0+{crash.meta['fixed_by']}")
+    for spec, survives in (("0.33.0", False), (fixed, True)):
+        fs = FuzzSpec(target=f"vllm@{spec}", kind="hybrid", hazard="unordered",
+                      prefix_caching=True, depth=2, spec_tokens=0)
+        res = fuzz(fs, examples=40, seed=3)
+        assert fs.mamba_loads is survives, spec
+        mamba = sum(n for mix, n in res.stats.layouts.items() if "mamba" in mix)
+        assert (mamba > 0) is survives, (spec, res.stats.layouts)
+    assert res.violation is None and res.crash is None, res.violation or res.crash
+    assert res.stats.events["FailLoad"] > 0

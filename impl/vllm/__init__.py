@@ -144,8 +144,10 @@ Where vLLM differs from docs/SEMANTICS.md (measured on 0.25.1, 0.26.0, 0.33.0)
    requests only with one (0.33 raises ``RuntimeError``, 0.25.1 fails to
    unpack: a crash, findings/); its per-request ``failed_recving`` covers
    asynchronous loads only. A replayed trace reaches the crash (exit 3); the
-   fuzzer does not draw FailLoad on hybrids (``can_apply``), so campaigns run
-   past it.
+   fuzzer draws FailLoad on hybrids only where the tree survives it
+   (``can_apply``, ``hybrid_failed_loads``), so campaigns run past it; there
+   Mamba joins the hybrids it draws with connector loads too
+   (``FuzzSpec.mamba_loads``).
 8. With a connector, vLLM's finish path first calls ``remove_skipped_blocks``
    on the finished request (0.25.1 on ``c``, later on ``c - f``): those frees
    are ``window`` frees, before the request-level ones.
