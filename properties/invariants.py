@@ -503,6 +503,16 @@ class Checker:
                 req = self.reqs[rid]
                 if not req.deferred:
                     self._deferring.discard(rid)
+                elif req.ended:
+                    # let go of as the request ends (vLLM's finish path removes
+                    # its skipped blocks first, on its own count): no later step
+                    # of it reads them, so this is its end
+                    if self.cfg.hazard == "unordered":
+                        for f in req.deferred:
+                            if not self.refs[f.block]:
+                                self._check_returned(f)
+                    req.deferred.clear()
+                    self._deferring.discard(rid)
                 elif req.p is not None and not self._live_pending(rid):
                     for f in req.deferred:
                         self._check_window_free(f, req.p)
