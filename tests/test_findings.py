@@ -176,3 +176,26 @@ def test_mamba_joins_hybrids_with_loads_only_where_the_tree_survives_them():
         assert (mamba > 0) is survives, (spec, res.stats.layouts)
     assert res.violation is None and res.crash is None, res.violation or res.crash
     assert res.stats.events["FailLoad"] > 0
+
+
+# On finding 8's fixed tree: a request whose load failed and that restarts as
+# preempted parts the depth-1 twin (the reference recomputes into its blocks);
+# under "fail" a request that ends lets go of its skipped Mamba state first
+# (vLLM's finish path, on its own count), which is its end, not a window free
+@pytest.mark.vllm
+def test_hybrid_fix_restart_parts_the_twin_and_a_failed_end_frees_as_an_end():
+    from model.observations import FinishObs, FreeObs
+
+    trace = Trace.load(ROOT / "traces" / "vllm" /
+                       "failed-load-hybrid-restart-parts-twin-hybrid-fix.json")
+    rr = replay(trace, _target(trace.meta["target"]))
+    assert rr.crash is None and rr.first is None, rr.crash or rr.first
+    assert rr.witness.get("twin_parted") == 1 and rr.witness.get("twin_compared", 0) > 0
+    trace = Trace.load(ROOT / "traces" / "vllm" /
+                       "failed-load-fail-policy-mamba-window-free-at-end-hybrid-fix.json")
+    rr = replay(trace, _target(trace.meta["target"]))
+    assert rr.crash is None and rr.first is None, rr.crash or rr.first
+    (end,) = [row.obs for row in rr.rows
+              if any(isinstance(i, FinishObs) and i.reason == "error" for i in row.obs.items)]
+    frees = [(i.group, i.reason) for i in end.items if isinstance(i, FreeObs)]
+    assert (1, "window") in frees and (1, "failed_load") in frees, frees
