@@ -534,6 +534,16 @@ def test_finding10_wrong_mamba_state_at_the_named_step(name):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("name", FINDING10)
+def test_finding10_exact_with_its_fix(name):
+    """On the tree with the finding's fix (meta.fixed_by) the same replay is exact."""
+    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    rep = replay_attention(t, vllm_target(f"0.33.0+{ROOT / t.meta['fixed_by']}"), device="cpu")
+    assert rep.ok and rep.max_err <= FP32_TOL and rep.nan_reads == 0, format_report(rep)
+    assert not rep.violations and rep.state_reads > 0, format_report(rep)
+
+
+@pytest.mark.vllm
 def test_align_mamba_control_with_drafts_matches():
     """The control beside finding 10: align mode, three drafts (K < B), rejections
     with a step in flight, block-edge copies, prefix hits; exact on 0.33.0."""

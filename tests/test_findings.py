@@ -199,3 +199,51 @@ def test_hybrid_fix_restart_parts_the_twin_and_a_failed_end_frees_as_an_end():
               if any(isinstance(i, FinishObs) and i.reason == "error" for i in row.obs.items)]
     frees = [(i.group, i.reason) for i in end.items if isinstance(i, FreeObs)]
     assert (1, "window") in frees and (1, "failed_load") in frees, frees
+
+
+# Finding 10: the chosen fix moves no speculative Mamba block in a decode (the
+# worker's append-only row would still name it at its old slot) and still moves
+# them at a prefill chunk boundary, where no draft is in flight (what vLLM's
+# relocation saves); on the tree with the failed-load fixes too
+F10 = ("mamba-align-relocated-block-written-twice",
+       "mamba-align-relocated-block-checkpoint-overwritten")
+F10_LOADS = ("findings/fixes/mamba-align-relocates-only-between-prefill-chunks-and-load-recovery"
+             ".diff")
+# the options judged beside it (findings/README.md): no relocation at all, and
+# relocation below the slot the step reaches without its drafts
+F10_OTHERS = ("findings/fixes/mamba-align-keeps-speculative-blocks.diff",
+              "findings/fixes/mamba-align-relocates-below-draft-free-slot.diff")
+
+
+@pytest.mark.vllm
+def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
+    for stem in F10:
+        trace = Trace.load(ROOT / "findings" / f"{stem}.json")
+        rr = replay(trace, "vllm@0.33.0")
+        assert rr.first is not None and rr.witness.get("state_block_moved", 0) > 0, stem
+        for fix in (trace.meta["fixed_by"], F10_LOADS, *F10_OTHERS):
+            rr = replay(trace, _target(f"vllm@0.33.0+{fix}"))
+            assert rr.crash is None and rr.first is None, (stem, fix, rr.crash or rr.first)
+            assert not rr.witness.get("state_block_moved"), (stem, fix)
+    chunked = Trace.from_json({  # two drafts, a 28-token prompt in chunks of 16 and 12
+        "version": 1,
+        "config": {"groups": [{"kind": "mamba"}], "block_size": 4, "num_blocks": 16,
+                   "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_model_len": 40,
+                   "spec_tokens": 2, "depth": 2, "policy": "settled", "hazard": "ordered",
+                   "prefix_caching": True},
+        "events": [{"type": "AddRequest", "id": "r0", "prompt_len": 28, "max_new_tokens": 4,
+                    "external_tokens": 0},
+                   {"type": "Schedule"}, {"type": "Schedule"}, {"type": "Process", "accepted": {}},
+                   {"type": "Schedule"}, {"type": "Process", "accepted": {}},
+                   {"type": "Process", "accepted": {}}]})
+    fix = Trace.load(ROOT / "findings" / f"{F10[0]}.json").meta["fixed_by"]
+    for target in ("vllm@0.33.0", f"vllm@0.33.0+{fix}"):
+        rr = replay(chunked, _target(target))
+        assert rr.crash is None and rr.first is None, (target, rr.crash or rr.first)
+        assert rr.witness.get("state_block_moved") == 1, (target, rr.witness)
+    # the combined tree keeps finding 8's fix (a failed load on a hybrid survives)
+    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
+    rr, err = _run(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json",
+                   f"vllm@0.33.0+{F10_LOADS}")
+    assert err is None and rr.crash is None and rr.first is None, err or rr.crash or rr.first
+    assert crash.meta["fixed_by"] == "findings/fixes/failed-load-recovery-hybrid.diff"
