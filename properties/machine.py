@@ -5,7 +5,10 @@ policy, and the knobs fixed on the command line; :func:`make_machine`); its
 ``initialize`` rule draws the rest of the config from
 :func:`config_strategy`, and its rules then interleave the events of
 DESIGN.md. Preconditions come from the checker's shadow of the observations,
-so every target is driven the same way.
+so every target is driven the same way. An added request's id goes into the
+``requests`` Bundle, which Finish / Abort consume and Preempt draws from; a
+rule's choices are one draw each (its arguments, or one strategy built per
+config), and the FailLoad rule exists only where loads can fail.
 
 The checker judges each event's observations. A violation of a property about
 the event itself (a free, a read, a step: properties 1, 2, 5, 6, 7) fails the
@@ -32,7 +35,9 @@ from hypothesis import HealthCheck, Phase, reject, settings
 from hypothesis import seed as with_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
+    Bundle,
     RuleBasedStateMachine,
+    consumes,
     initialize,
     invariant,
     precondition,
@@ -66,12 +71,15 @@ MAX_REQUESTS = 4  # live at once
 MAX_ADDED = 8  # per example
 ACCOUNTING = (3, 4)  # the properties checked as invariants of the state
 
-# Health checks left on: data_too_large, large_base_example, return_value and
-# the rest. Off: too_slow (a real vLLM target takes its time, and the fuzz run
-# is sized in examples, not seconds) and filter_too_much (a config or event the
-# target refuses is rejected; refusals are counted in RunStats.refused and
-# printed, and a run that reaches nothing is caught as vacuous).
-SUPPRESSED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+# Health checks left on: too_slow (with no deadline it fires when drawing the
+# first ten examples' choices takes 30 s: a target's own time is not a draw),
+# data_too_large, large_base_example, return_value and the rest. Off:
+# filter_too_much. The machine's own draws never reject (its Bundle filters
+# run under preconditions that leave them a match); an example is rejected only
+# where the target refuses a config or an event (a layout its version does not
+# build), counted in RunStats.refused and printed, and a run that reaches
+# nothing is caught as vacuous rather than stopped by the health check.
+SUPPRESSED = [HealthCheck.filter_too_much]
 
 
 def _sampled(elements: Any) -> st.SearchStrategy:
@@ -435,33 +443,29 @@ class KVMachine(RuleBasedStateMachine):
         if cls.on_example is not None:
             cls.on_example("setup", self)
 
+    # A request enters the ``requests`` Bundle when it is added; Finish / Abort
+    # consume it, Preempt draws it. A request also ends on its own (its last
+    # token, a failed load under the 'fail' policy), and its id stays in the
+    # Bundle: the draws filter on the request still running (holding blocks,
+    # for Preempt), so an ended id costs no step and records no event, and the
+    # preconditions ask that one such request exists (a filter that matches
+    # nothing would reject the example).
+    requests: ClassVar[Bundle] = Bundle("requests")
+
     @precondition(lambda self: self.cfg is not None and len(self._live()) < MAX_REQUESTS
                   and len(self.added) < MAX_ADDED)
-    @rule(data=st.data())
-    def add_request(self, data: st.DataObject) -> None:
+    @rule(target=requests, data=st.data())
+    def add_request(self, data: st.DataObject) -> RequestRef:
         cfg = self.cfg
-        B = cfg.block_size
-        prompt = data.draw(_ints(1, 6 * B), label="prompt_len")
-        # R-SWA's gap lies among the outputs: longer generations
-        longer = any(g.spec.long_outputs for g in cfg.groups)
-        new = data.draw(_ints(1, (5 if longer else 2) * B), label="max_new_tokens")
-        ext = 0
-        if self.spec.external and not self.spec.aligned_loads and prompt > 1:
-            ext = data.draw(_zero_or(1, prompt - 1), label="external")
-        elif self.spec.external and prompt > cfg.scheduler_block_size:
-            # block-granular connectors (offloading, LMCache, ...) offer whole
-            # blocks (of every group: the scheduler block size)
-            S = cfg.scheduler_block_size
-            ext = S * data.draw(_ints(0, (prompt - 1) // S), label="external_blocks")
-        variant = 0
-        if cfg.prefix_caching:
-            # another prompt that shares every block past its one differing
-            # token: a prefix hit must not hand it variant 0's KV
-            variant = data.draw(_zero_or(1, MAX_VARIANT), label="variant")
+        prompt, new, ext, variant = data.draw(_request_args(
+            cfg.block_size, cfg.scheduler_block_size,
+            any(g.spec.long_outputs for g in cfg.groups),  # R-SWA: its gap among the outputs
+            self.spec.external, self.spec.aligned_loads, cfg.prefix_caching))
         rid = f"r{len(self.added)}"
         self.added.append(rid)
         self._changed()
         self._apply(AddRequest(rid, prompt, new, ext, variant))
+        return RequestRef(rid, self)
 
     @precondition(lambda self: self.cfg is not None
                   and self.checker.in_flight_steps() < self.cfg.depth
@@ -473,11 +477,12 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.checker is not None and self.checker.in_flight_steps() > 0)
     @rule(data=st.data())
     def process(self, data: st.DataObject) -> None:
+        drafted = [(pp.rs.rid, pp.rs.spec) for pp in self.checker.oldest_step()
+                   if pp.rs.spec and not pp.dead]
         accepted = {}
-        for pp in self.checker.oldest_step():
-            if pp.rs.spec and not pp.dead:
-                accepted[pp.rs.rid] = data.draw(_ints(0, pp.rs.spec),
-                                                label=f"accepted[{pp.rs.rid}]")
+        if drafted:  # how many of each request's drafts survive, in one draw
+            got = data.draw(_accepted(tuple(n for _, n in drafted)))
+            accepted = {rid: k for (rid, _), k in zip(drafted, got, strict=True)}
         self._apply(Process(accepted))
 
     def _holding(self) -> list[str]:
@@ -496,9 +501,9 @@ class KVMachine(RuleBasedStateMachine):
     # batch queue has room: never with depth steps in flight
     @precondition(lambda self: self.checker is not None
                   and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
-    @rule(data=st.data())
-    def preempt(self, data: st.DataObject) -> None:
-        self._apply(Preempt(data.draw(_sampled(self._holding()), label="id")))
+    @rule(req=requests.filter(lambda r: r.rid in r.machine._holding()))
+    def preempt(self, req: RequestRef) -> None:
+        self._apply(Preempt(req.rid))
 
     def _loading(self) -> list[tuple[str, int, int]]:
         out = self._memo.get("loading")
@@ -519,28 +524,11 @@ class KVMachine(RuleBasedStateMachine):
                     out.append((pp.rs.rid, lo, hi))
         return out
 
-    # a failed load names a block of the config's size: not stated for groups
-    # of different block sizes (vLLM maps failed block ids to requests only
-    # with one KV-cache group anyway)
-    @precondition(lambda self: self.spec.fail_loads and bool(self._loading())
-                  and not self.cfg.mixed_block_sizes)
-    @rule(data=st.data())
-    def fail_load(self, data: st.DataObject) -> None:
-        rid, lo, hi = data.draw(_sampled(self._loading()), label="load")
-        k = data.draw(_ints(lo, hi), label="first_bad_block")
-        self._apply(FailLoad(rid, k))
-
-    # Finish / Abort name a live request drawn from the live list, not a
-    # Bundle of ids: a request also finishes on its own, so a Bundle holds ids
-    # of ended requests, and over the reference mutant rows (seeds 1-3) a
-    # Bundle consumed here gave longer counterexamples (median 4 events
-    # against 3.5, mean 5.1 against 4.4). properties/minimize.py deletes the
-    # early requests that shrinking by index keeps.
     @precondition(lambda self: bool(self._live()))
-    @rule(data=st.data(), abort=st.booleans())
-    def finish(self, data: st.DataObject, abort: bool) -> None:
-        rid = data.draw(_sampled(self._live()), label="id")
-        self._apply(Abort(rid) if abort else Finish(rid))
+    @rule(req=consumes(requests).filter(lambda r: r.rid in r.machine._live()),
+          abort=st.booleans())
+    def finish(self, req: RequestRef, abort: bool) -> None:
+        self._apply(Abort(req.rid) if abort else Finish(req.rid))
 
     def teardown(self) -> None:
         try:
@@ -568,6 +556,73 @@ class KVMachine(RuleBasedStateMachine):
             self._fail(v)
 
 
+class FailingLoads(KVMachine):
+    """The machine with the FailLoad rule: made where loads can fail (a
+    connector loads a request's external tokens, ``FuzzSpec.fail_loads``), so
+    a setting without them has no rule that is never enabled."""
+
+    # a failed load names a block of the config's size: not stated for groups
+    # of different block sizes (vLLM maps failed block ids to requests only
+    # with one KV-cache group anyway)
+    @precondition(lambda self: bool(self._loading()) and not self.cfg.mixed_block_sizes)
+    @rule(data=st.data())
+    def fail_load(self, data: st.DataObject) -> None:
+        rid, k = data.draw(_failed_load(tuple(self._loading())))
+        self._apply(FailLoad(rid, k))
+
+
+class RequestRef:
+    """A request in the machine's ``requests`` Bundle: its id, and the machine
+    that added it (what the Bundle's filters ask whether it still runs)."""
+
+    __slots__ = ("rid", "machine")
+
+    def __init__(self, rid: str, machine: KVMachine) -> None:
+        self.rid, self.machine = rid, machine
+
+    def __repr__(self) -> str:
+        return self.rid
+
+
+@functools.lru_cache(maxsize=1024)
+def _request_args(B: int, S: int, longer: bool, external: bool, aligned: bool,
+                  prefix: bool) -> st.SearchStrategy[tuple[int, int, int, int]]:
+    """An AddRequest's prompt length, output length, external (connector)
+    tokens and prompt variant, for a config of block size ``B`` and scheduler
+    block size ``S``: one draw."""
+
+    @st.composite
+    def args(draw: Any) -> tuple[int, int, int, int]:
+        prompt = draw(_ints(1, 6 * B))
+        new = draw(_ints(1, (5 if longer else 2) * B))
+        ext = 0
+        if external and not aligned and prompt > 1:
+            ext = draw(_zero_or(1, prompt - 1))
+        elif external and prompt > S:
+            # block-granular connectors (offloading, LMCache, ...) offer whole
+            # blocks (of every group: the scheduler block size)
+            ext = S * draw(_ints(0, (prompt - 1) // S))
+        # with prefix caching, another prompt that shares every block past its
+        # one differing token: a prefix hit must not hand it variant 0's KV
+        variant = draw(_zero_or(1, MAX_VARIANT)) if prefix else 0
+        return prompt, new, ext, variant
+
+    return args()
+
+
+@functools.lru_cache(maxsize=1024)
+def _accepted(drafts: tuple[int, ...]) -> st.SearchStrategy[tuple[int, ...]]:
+    """How many of each request's drafts a step accepts (0..drafts)."""
+    return st.tuples(*(_ints(0, n) for n in drafts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _failed_load(loading: tuple[tuple[str, int, int], ...]) -> st.SearchStrategy[tuple[str, int]]:
+    """A load in flight, as (request, first logical block, last), and the
+    first block of it that fails."""
+    return _sampled(loading).flatmap(lambda ld: st.tuples(st.just(ld[0]), _ints(ld[1], ld[2])))
+
+
 def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
     """The machine of one fuzz setting: its config strategy in the
     ``initialize`` rule, and a name that keys its example database entries."""
@@ -579,8 +634,9 @@ def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
     def setup(self: KVMachine, cfg: Config, drain: bool) -> None:
         self._setup(cfg, drain)
 
-    return type(name, (KVMachine,), {"spec": spec, "stats": RunStats(), "target": target,
-                                     "setup": setup})
+    base = FailingLoads if spec.fail_loads and spec.external else KVMachine
+    return type(name, (base,), {"spec": spec, "stats": RunStats(), "target": target,
+                                "setup": setup})
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""The state machine itself: the ids its rules name, and the rules it has."""
+
+from impl.target import make_target
+from model.events import Abort, AddRequest, FailLoad, Finish, Preempt
+from properties.machine import FailingLoads, FuzzSpec, KVMachine, fuzz, make_machine
+
+
+def test_finish_abort_preempt_name_requests_still_in_the_system():
+    """Ids come from the ``requests`` Bundle, filtered on the request still
+    running: no Finish, Abort or Preempt names a request never added, one an
+    earlier event ended, or one that ended on its own (the machine's view of
+    the target, asked just before the event), and Finish / Abort do occur."""
+    seen = {"ended_events": 0, "named": 0}
+
+    def check(phase, machine):
+        if phase != "setup":
+            return
+        apply = machine._apply
+
+        def checked(ev, record=True):
+            if record and isinstance(ev, (Finish, Abort, Preempt)):
+                added = {e.id for e in machine.events if isinstance(e, AddRequest)}
+                assert ev.id in added and ev.id in machine._live(), (ev, machine.events)
+                seen["named"] += 1
+                seen["ended_events"] += not isinstance(ev, Preempt)
+            return apply(ev, record)
+
+        machine._apply = checked
+
+    res = fuzz(FuzzSpec(kind="sliding", policy="settled"), examples=120, seed=5,
+               on_example=check)
+    assert res.violation is None and res.crash is None, res.violation or res.crash
+    assert seen["ended_events"] > 20 and seen["named"] > seen["ended_events"], seen
+
+
+def test_fail_load_rule_only_where_loads_can_fail():
+    target = make_target("reference")
+    with_loads = make_machine(FuzzSpec(kind="full"), target)
+    assert issubclass(with_loads, FailingLoads)
+    for spec in (FuzzSpec(kind="full", fail_loads=False), FuzzSpec(kind="full", external=False)):
+        cls = make_machine(spec, target)
+        assert issubclass(cls, KVMachine) and not issubclass(cls, FailingLoads), spec
+        assert not hasattr(cls, "fail_load")
+    res = fuzz(FuzzSpec(kind="full", hazard="unordered", depth=2), examples=150, seed=2)
+    assert res.stats.events[FailLoad.__name__] > 0, res.stats.events
