@@ -95,9 +95,12 @@ WITNESSES = {
     "twin_parted": "an example where a vLLM target and its reference twin scheduled different "
                    "steps, or the twin could not take an event: property 6 compared the "
                    "events before it only",
-    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: on "
-                 "vLLM a Mamba group or an EAGLE/MTP drafter, which the reference does not "
-                 "model exactly; SGLang, where the twin is not measured)",
+    "twin_rule": "an event of a depth-1 fixed-policy target with no reference twin (vLLM's "
+                 "Mamba, EAGLE, MTP; SGLang) whose steps or frees were compared with the "
+                 "settled freeing rule (property 6)",
+    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: "
+                 "no group of a fixed-policy target lets go of a block before its request ends, as "
+                 "SGLang's full attention)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",

@@ -585,6 +585,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "with nothing in flight (every schedule of the sync Scheduler) allocate_slots frees on "
         "the count one block back: window frees one block late, safe, sync behaviour only",
         ("--kind", "sliding", "--depth", "1"), frozenset({6})),
+    # the same slip where no reference twin runs: Mamba's align mode (prefix
+    # caching on), judged by the settled rule over vLLM's own steps
+    Mutant(
+        "sync-mamba-free-one-block-late", CORE + "kv_cache_manager.py",
+        "max(0, total_computed_tokens - request.num_in_flight_tokens),",
+        "max(0, total_computed_tokens - (request.num_in_flight_tokens\n"
+        "                                            or self.coordinator.scheduler_block_size)),",
+        "with nothing in flight allocate_slots frees on the count one block back: Mamba's "
+        "align mode retires a state one block late, safe, sync behaviour only",
+        ("--kind", "mamba", "--depth", "1", *_PC), frozenset({6})),
+    # a model-based drafter (EAGLE, MTP): vLLM allocates lookahead slots for it
+    Mutant(
+        "sync-draft-free-lookahead-late", CORE + "kv_cache_manager.py",
+        "max(0, total_computed_tokens - request.num_in_flight_tokens),",
+        "max(0, total_computed_tokens - (request.num_in_flight_tokens or num_lookahead_tokens)),",
+        "with nothing in flight and an EAGLE / MTP drafter allocate_slots holds back the "
+        "lookahead tokens too: window frees up to K tokens late, safe, sync behaviour only",
+        ("--kind", "sliding", "--drafter", "eagle", "--depth", "1"), frozenset({6})),
+    Mutant(
+        "sync-mtp-free-lookahead-late", CORE + "kv_cache_manager.py",
+        "max(0, total_computed_tokens - request.num_in_flight_tokens),",
+        "max(0, total_computed_tokens - (request.num_in_flight_tokens or num_lookahead_tokens)),",
+        "the same slip beside MTP's retained tokens and Mamba's align mode (full, draft, "
+        "Mamba, and a sliding window where drawn)",
+        ("--kind", "hybrid", "--drafter", "mtp", "--depth", "1", *_PC, "--no-external"),
+        frozenset({6})),
 )
 
 
