@@ -49,7 +49,7 @@ def test_unmodified_sglang_at_depth_one_is_silent_and_compared():
 
 
 def test_a_sync_only_slip_in_sglang_is_caught_by_property_6():
-    res = _run(True, "6", 200, 1)
+    res = _run(True, "6", 100, 1)
     assert res["violation"] is not None and res["violation"]["prop"] == 6, res
     assert "the settled rule lets go of" in res["violation"]["message"], res
     # safe: properties 1-5 and 7 accept it, and the run reached window frees

@@ -6,8 +6,12 @@ schedule the same steps they must let go of the same blocks
 A slip that changes only what the sync path frees (scripts/mutants.py,
 ``sync-window-free-one-block-late``: window frees one block late, which
 properties 1-5 accept) is caught as property 6; the unmodified releases are
-silent and the twin compares events on them. The releases must be installed
-(``make test`` does it): a missing install fails, it never skips.
+silent and the twin compares events on them. Where no reference twin runs
+(Mamba's align mode, an EAGLE or MTP drafter) the settled rule over vLLM's
+own steps judges every event (``SettledRule``): silent on the release, and
+the same slip is caught on Mamba (``sync-mamba-free-one-block-late``). The
+releases must be installed (``make test`` does it): a missing install fails,
+it never skips.
 """
 
 from __future__ import annotations
@@ -119,8 +123,66 @@ def test_the_twin_parts_where_the_schedules_differ():
     assert not found and twin.parted is None and checker.witness["twin_compared"] == 2
 
 
-def test_mamba_has_no_twin_and_says_so():
-    res = _fuzz(vllm_target("0.33.0"), 20, 2, kind="mamba", depth=1)
-    assert res.crash is None and res.stats.examples
-    assert "twin_compared" not in res.stats.expected
-    assert res.stats.witness["twin_none"] > 0 and not res.stats.witness["twin_compared"]
+@pytest.mark.parametrize("kind, kw", [
+    ("mamba", {"prefix_caching": True}),  # align mode
+    ("sliding", {"drafter": "eagle", "spec_tokens": 2}),
+    ("hybrid", {"drafter": "mtp", "spec_tokens": 2, "prefix_caching": True, "external": False}),
+])
+def test_mamba_and_model_drafters_are_judged_by_the_settled_rule(kind, kw):
+    """No reference twin runs these (align mode schedules other steps; the
+    reference drafts by n-gram only): the settled rule over vLLM's own steps
+    judges every event, and the unmodified release is silent."""
+    res = _fuzz(vllm_target("0.33.0"), 40, 2, kind=kind, depth=1, props=frozenset({6}), **kw)
+    assert res.crash is None, res.crash
+    assert res.violation is None, res.violation
+    assert "twin_rule" in res.stats.expected and not res.vacuous, res.vacuous
+    w = res.stats.witness
+    assert w["twin_rule"] > 0 and w["window_free"] > 0 and not w["twin_compared"], w
+
+
+def test_a_sync_only_slip_in_mamba_align_mode_is_caught_by_property_6(tmp_path):
+    m = next(x for x in mutants.MUTANTS if x.name == "sync-mamba-free-one-block-late")
+    bad = make_target(f"vllm@{mutants.mutant_tree(m, tmp_path / 'tree')}")
+    try:
+        res = _fuzz(bad, 100, 1, kind="mamba", depth=1, prefix_caching=True, fail_loads=False)
+        assert res.violation is not None and res.violation.prop == 6, res.violation
+        assert "the settled rule lets go of" in res.violation.message, res.violation
+        # the same trace on the unmodified release: silent
+        assert replay(res.trace, vllm_target("0.33.0")).first is None
+    finally:
+        bad.close()
+
+
+def _obs(*items):
+    from model.observations import Observed
+
+    return Observed(list(items))
+
+
+def test_the_settled_rule_judges_both_directions():
+    """The rule over observations alone: a free of a slot some position at or
+    past the count still reads (early), and a step scheduled holding a slot
+    none does (late), are property 6; the exact free is silent."""
+    from model.observations import AllocObs, FreeObs, ReqStep, StepObs
+    from properties.twin import SettledRule
+
+    cfg = config_for("sliding", window=4, block_size=4, num_blocks=12, depth=1)
+
+    def run(free_at_9: list[int]):
+        rule, checker = SettledRule(cfg, "settled"), Checker(cfg)
+        evs = [(AddRequest("a", 12, 2), _obs()),
+               (Schedule(), _obs(*(AllocObs(i + 1, 0, "a", i) for i in range(3)),
+                                 StepObs(0, (ReqStep("a", 0, 9, tables=((1, 2, 3),)),)))),
+               (Process(), _obs()),
+               # at count 9 settled lets go of block 0 only: positions >= 9 read [6, ...)
+               (Schedule(), _obs(*(FreeObs(i + 1, 0, "a", i, "window") for i in free_at_9),
+                                 StepObs(1, (ReqStep("a", 9, 12, tables=((1, 2, 3),)),))))]
+        return [rule.check(ev, o, checker, k) for k, (ev, o) in enumerate(evs)]
+
+    assert run([0]) == [None] * 4
+    late = run([])[-1]
+    assert late is not None and late.prop == 6 and "still holding its logical block 0" in \
+        late.message, late
+    early = run([0, 1])[-1]
+    assert early is not None and early.prop == 6 and "lets go of its logical block 1" in \
+        early.message, early
