@@ -594,7 +594,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                                            or self.coordinator.scheduler_block_size)),",
         "with nothing in flight allocate_slots frees on the count one block back: Mamba's "
         "align mode retires a state one block late, safe, sync behaviour only",
-        ("--kind", "mamba", "--depth", "1", *_PC), frozenset({6})),
+        ("--kind", "mamba", "--depth", "1", *_PC, "--no-external"), frozenset({6})),
     # a model-based drafter (EAGLE, MTP): vLLM allocates lookahead slots for it
     Mutant(
         "sync-draft-free-lookahead-late", CORE + "kv_cache_manager.py",

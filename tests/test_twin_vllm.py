@@ -124,7 +124,8 @@ def test_the_twin_parts_where_the_schedules_differ():
 
 
 @pytest.mark.parametrize("kind, kw", [
-    ("mamba", {"prefix_caching": True}),  # align mode
+    # align mode; no connector loads (finding 5 stops a Mamba align run that draws them)
+    ("mamba", {"prefix_caching": True, "external": False}),
     ("sliding", {"drafter": "eagle", "spec_tokens": 2}),
     ("hybrid", {"drafter": "mtp", "spec_tokens": 2, "prefix_caching": True, "external": False}),
 ])
@@ -144,7 +145,7 @@ def test_a_sync_only_slip_in_mamba_align_mode_is_caught_by_property_6(tmp_path):
     m = next(x for x in mutants.MUTANTS if x.name == "sync-mamba-free-one-block-late")
     bad = make_target(f"vllm@{mutants.mutant_tree(m, tmp_path / 'tree')}")
     try:
-        res = _fuzz(bad, 100, 1, kind="mamba", depth=1, prefix_caching=True, fail_loads=False)
+        res = _fuzz(bad, 100, 1, kind="mamba", depth=1, prefix_caching=True, external=False)
         assert res.violation is not None and res.violation.prop == 6, res.violation
         assert "the settled rule lets go of" in res.violation.message, res.violation
         # the same trace on the unmodified release: silent
