@@ -88,7 +88,6 @@ class SettledRule:
     ids, allocations, prefix-cache hits and scheduling are not compared."""
 
     def __init__(self, cfg: Config, policy: str) -> None:
-        self.cfg = cfg
         self.policy = policy
         self.groups = [(gi, g, B) for gi, (g, B) in
                        enumerate(zip(cfg.groups, cfg.block_sizes, strict=True))
@@ -133,19 +132,19 @@ class SettledRule:
             t = type(it)
             if t is AllocObs:
                 self.held.setdefault((it.rid, it.group), set()).add(it.logical)
-            elif t is FreeObs:
+            elif t is FreeObs and it.reason != "copy":  # a copy's hold is no slot of it
                 self.held.get((it.rid, it.group), set()).discard(it.logical)
             elif t is MoveObs:
                 slots = self.held.setdefault((it.rid, it.group), set())
                 slots.discard(it.logical)
                 slots.add(it.to)
-            if type(it) is ProcessObs:
+            if t is ProcessObs:
                 for rid, samples in self.sampling.pop(it.step, {}).items():
                     if samples and rid not in it.discarded and rid in self.known:
                         self.known[rid] += 1
-            if type(it) is FreeObs and it.reason == "preempt":
+            if t is FreeObs and it.reason == "preempt":
                 self.last.pop(it.rid, None)  # back to the queue: it extends again
-            if type(it) is not StepObs:
+            if t is not StepObs:
                 continue
             for r in it.reqs:
                 known = self.known.get(r.rid, r.end)
