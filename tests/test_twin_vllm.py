@@ -136,7 +136,8 @@ def test_mamba_and_model_drafters_are_judged_by_the_settled_rule(kind, kw):
     res = _fuzz(vllm_target("0.33.0"), 40, 2, kind=kind, depth=1, props=frozenset({6}), **kw)
     assert res.crash is None, res.crash
     assert res.violation is None, res.violation
-    assert "twin_rule" in res.stats.expected and not res.vacuous, res.vacuous
+    # property 6's witness reached (a short run may miss others, e.g. reprefill_reach)
+    assert "twin_rule" in res.stats.expected and "twin_rule" not in res.vacuous, res.vacuous
     w = res.stats.witness
     assert w["twin_rule"] > 0 and w["window_free"] > 0 and not w["twin_compared"], w
 
