@@ -24,6 +24,9 @@ block and the positions, in one line.
    the runner feeds the same events to a twin set to ``settled`` (the same
    configurable target, or the reference beside a vLLM) and
    :func:`compare_twin` / :func:`compare_letgo` find the first difference;
+   where no reference twin runs (vLLM's Mamba, EAGLE, MTP; SGLang) the
+   settled freeing rule over the target's own steps judges each event
+   (:class:`properties.twin.SettledRule`);
 7. ``progress``: a preemption inside ``schedule()`` lets go of something in
    that step (a victim whose blocks all wait behind in-flight steps frees
    nothing the scheduler can use, and the next victim follows); and, checked
