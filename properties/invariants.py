@@ -24,7 +24,7 @@ block and the positions, in one line.
    the runner feeds the same events to a twin set to ``settled`` (the same
    configurable target, or the reference beside a vLLM) and
    :func:`compare_twin` / :func:`compare_letgo` find the first difference;
-   where no reference twin runs (vLLM's Mamba, EAGLE, MTP; SGLang) the
+   where no reference twin runs (vLLM's Mamba, EAGLE, MTP; SGLang without its radix tree) the
    settled freeing rule over the target's own steps judges each event
    (:class:`properties.twin.SettledRule`);
 7. ``progress``: a preemption inside ``schedule()`` lets go of something in
@@ -102,8 +102,8 @@ WITNESSES = {
                  "Mamba, EAGLE, MTP; SGLang) whose steps or frees were compared with the "
                  "settled freeing rule (property 6)",
     "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: "
-                 "no group of a fixed-policy target lets go of a block before its request ends, as "
-                 "SGLang's full attention)",
+                 "SGLang's full attention, which lets go of nothing before a request ends, or "
+                 "its radix tree, whose window the settled rule does not mirror)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",

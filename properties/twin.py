@@ -25,10 +25,12 @@ same config under ``settled``, and the first difference is the violation:
   or cannot take an event vLLM took;
 * a fixed-policy config the reference does not run or schedule alike (on
   vLLM a Mamba group, whose align mode splits prefills at block edges, or an
-  EAGLE / MTP drafter; every ``sglang@VERSION`` config): :class:`SettledRule`,
+  EAGLE / MTP drafter; ``sglang@VERSION`` without its radix tree): :class:`SettledRule`,
   the settled freeing rule over the target's own steps (witness
-  ``twin_rule``). SGLang's full attention lets go of nothing before a
-  request ends: no twin there (witness ``twin_none``).
+  ``twin_rule``). No twin (witness ``twin_none``) where SGLang's full
+  attention lets go of nothing before a request ends, or its radix tree
+  (prefix caching on) keeps a page-rounded window and the pages it caches,
+  which the rule does not mirror.
 
 Measured with ``scripts/diff_sweep.py --depth 1 --compare letgo`` (README,
 property 6: 1,272 traces, 47,335 events compared): on unmodified vLLM 0.25.1
@@ -207,7 +209,10 @@ class Twin:
                 self.target = None
         if fixed is None or cfg.depth != 1:
             return
-        if any(g.spec.frees_early for g in cfg.groups):
+        # SGLang's radix tree keeps a page-rounded window of its own and the pages
+        # it caches (free_swa_out_of_window_slots with prefix sharing): not mirrored
+        radix = fixed == "sglang" and cfg.prefix_caching
+        if any(g.spec.frees_early for g in cfg.groups) and not radix:
             self.rule, self.witness = SettledRule(cfg, fixed), "twin_rule"
         else:
             self.none = True
