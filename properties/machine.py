@@ -189,8 +189,6 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
         spec_tokens = spec.spec_tokens if spec.spec_tokens is not None else draw(
             _sampled((2, 4)) if spec.drafter == "mtp" else
             _ints(0 if spec.drafter == "ngram" else 1, 3))
-        if spec.match_unit == "fine" and spec.spec_tokens is None and spec.target != "reference":
-            spec_tokens = 0  # hits inside a block are driven on vLLM without drafts
         hazard = spec.hazard or draw(_sampled(("ordered", "unordered")))
         prefix = spec.prefix_caching if spec.prefix_caching is not None else draw(st.booleans())
         kind = KINDS.get(spec.kind)

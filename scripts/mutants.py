@@ -102,7 +102,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sliding window frees the tokens it retains for a multi-module MTP drafter, whose "
         "next prefill chunk computes them again",
         ("--kind", "sliding", "--drafter", "mtp", "--prefix-caching", "off", *_ASYNC),
-        frozenset({1, 2})),
+        frozenset({1, 2}), min_examples=400),
     Mutant(
         "chunk-boundary-early", CORE + "single_type_kv_cache_manager.py",
         "num_computed_tokens // self.attention_chunk_size\n        ) * self.attention_chunk_size",
@@ -266,7 +266,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "R-SWA's gap ends two tokens late: it frees the block of the oldest position the "
         "window still reads",
         ("--kind", "rswa", "--block-size", "4", "--spec-tokens", "0", *_ASYNC),
-        frozenset({1, 2})),
+        frozenset({1, 2}), max_events=16),
     Mutant(
         "ring-freed-as-window", CORE + "single_type_kv_cache_manager.py",
         "    ) -> None:\n        return\n\n    def get_num_skipped_tokens(self, "
