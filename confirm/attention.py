@@ -38,7 +38,9 @@ What runs when (the device timeline this replay models)::
   there: where it wrote its own K/V, the load is taken to land between that
   write and the read (the worst interleaving of two unordered streams). Later
   owners' writes land as they run; a connector's load for a newly scheduled
-  step lands at schedule time, before pending kernels run.
+  step lands at schedule time, before pending kernels run (with no step
+  pending before it: after its own step's block copies, which the worker
+  queues first on an idle stream).
   ``hazard = "ordered"`` (stream order): only kernels write, in step order,
   and a connector's load lands just before its own step's kernel; a kernel
   sees the writes of the steps that ran before it and its own.
@@ -63,7 +65,13 @@ What runs when (the device timeline this replay models)::
   there garbles that position, at the step that left it (one written
   through NULL is dropped: NaN). Connector loads
   deliver the state at the load's end into its slot; block copies
-  (``StepObs.copies``) run before the step's kernel.
+  (``StepObs.copies``, of K/V and states alike) run before the step's loads
+  and kernel (vLLM's ``_update_states`` before ``start_load_kv``).
+* A block handed out afresh (not a prefix hit) holds junk from the moment
+  the step it was allocated for runs (stream order, before that step's
+  copies and loads): stale KV of another request would often equal the true
+  KV here (prompts share tokens position by position), hiding a read of a
+  block nobody wrote.
 * One layer per group: a bad read garbles that position's output, not the
   K/V that deeper layers would write for it (a multi-layer model would also
   leave bad K/V behind, e.g. in a block the prefix cache serves later).
@@ -88,6 +96,7 @@ from confirm.attention_kernels import (
     TAG_DRAFT,
     TAG_FAILED,
     TAG_FOREIGN,
+    TAG_UNINIT,
     DenseStates,
     PagedCache,
     Shape,
@@ -228,6 +237,11 @@ class _Step:
     step: int
     reqs: list[_Req]
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst) run before its kernel
+    # requests whose loads land when it runs, after its copies (nothing pending
+    # before it, or a copy of the step reads a block the load fills)
+    load_late: set[str] = field(default_factory=set)
+    # (group, block) handed out afresh for it: undefined until written, junk when it runs
+    fresh: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -272,6 +286,8 @@ class AttentionReplay:
         self.last: dict[str, _Req] = {}  # rid -> its last scheduled step (align-mode Mamba)
         self.unordered = cfg.hazard == "unordered"
         self.pending: list[_Step] = []
+        self.fresh: list[tuple[int, int]] = []  # handed out afresh, for the next step
+        self.fresh_salt = 0
         self.refs: Counter[tuple[int, int]] = Counter()
         self.gen: Counter[str] = Counter()  # preemptions per request
         self.scheduled = 0  # steps scheduled so far
@@ -306,6 +322,8 @@ class AttentionReplay:
                 self.scheduled = max(self.scheduled, it.step + 1)
             elif isinstance(it, AllocObs):
                 self.refs[(it.group, it.block)] += 1
+                if not it.cached and it.block != NULL:
+                    self.fresh.append((it.group, it.block))
             elif isinstance(it, FreeObs):
                 self._free(it, (ei, ii))
             elif isinstance(it, ProcessObs):
@@ -318,17 +336,28 @@ class AttentionReplay:
                 self._execute(s, it)
             elif isinstance(it, FinishObs):
                 self._kill(it.rid, it.reason)
+        if scheduled and self.fresh:
+            scheduled[0].fresh, self.fresh = self.fresh, []
         if self.unordered:
             # a connector's load is issued with the schedule, on its own stream:
-            # it lands before any pending kernel runs
+            # it lands before any pending kernel runs. The worker queues the
+            # step's block copies before it issues the load: with no step pending
+            # ahead, the copies run first; a copy of a block the load fills runs
+            # first in the worst interleaving
             for s in scheduled:
+                srcs = {a for a, _ in s.copies}
                 for r in s.reqs:
-                    self._load(s.step, r.rs)
+                    if s is self.pending[0] or srcs & self._loaded_blocks(r.rs):
+                        s.load_late.add(r.rs.rid)
+                self._undefined(s)
+                for r in s.reqs:
+                    if r.rs.rid not in s.load_late:
+                        self._load(s.step, r.rs)
 
     def _free(self, f: FreeObs, where: tuple[int, int]) -> None:
         key = (f.group, f.block)
         self.refs[key] -= 1
-        if f.reason != "window":
+        if f.reason not in ("window", "copy"):  # a copy's hold: not the request's end
             self._kill(f.rid, f.reason)
         if f.reason == "preempt":
             self.gen[f.rid] += 1  # steps scheduled from now on belong to the restart
@@ -337,6 +366,22 @@ class AttentionReplay:
             self.taken[key] = (self.scheduled, self.st.foreign_writes)
             self._fill_foreign(key, np.arange(self.Bs[f.group]))
             self.st.foreign_writes += 1
+
+    def _undefined(self, s: _Step) -> None:
+        """Blocks handed out afresh for ``s`` hold what they held before: stale KV
+        of any other request (vLLM zeroes them only where a backend needs it),
+        here junk, written in stream order when ``s`` runs, before its copies and
+        loads: a read of one before it is written shows."""
+        for gi, block in s.fresh:
+            self.fresh_salt += 1
+            if gi in self.states:
+                self.states[gi].fill(block, TAG_UNINIT, block, self.fresh_salt)
+                continue
+            slots = np.arange(self.Bs[gi])
+            k, v = junk_kv(TAG_UNINIT, block, gi, slots, self.shape, salt=self.fresh_salt)
+            self.caches[gi].write(torch.full((len(slots),), block, device=self.device),
+                                  torch.from_numpy(slots).to(self.device), k, v)
+        s.fresh = []
 
     def _fill_foreign(self, key: tuple[int, int], slots: np.ndarray) -> None:
         group, block = key
@@ -376,6 +421,18 @@ class AttentionReplay:
                               torch.from_numpy(pos[ok] % B).to(self.device),
                               k[okt], v[okt])
 
+    def _loaded_blocks(self, rs: ReqStep) -> set[int]:
+        """The blocks a connector's load of ``rs`` fills (any group)."""
+        out: set[int] = set()
+        if rs.loaded <= 0:
+            return out
+        for gi, B in enumerate(self.Bs):
+            table = _table(rs, gi)
+            for lb in range((rs.start - rs.loaded) // B, (rs.start - 1) // B + 1):
+                if lb < len(table) and table[lb] != NULL:
+                    out.add(table[lb])
+        return out
+
     def _load(self, step: int, rs: ReqStep) -> None:
         """A connector's load of positions ``[start - loaded, start)``; from the
         first bad block on (a failed load) it leaves junk."""
@@ -404,14 +461,24 @@ class AttentionReplay:
         self.st.steps += 1
         self.touched.clear()
         plan = []
-        # 1. loads (ordered: on the compute stream, just before the kernel)
-        if not self.unordered:
-            for r in s.reqs:
-                self._load(s.step, r.rs)
-        for src, dst in s.copies:  # the worker's block copies, one gather then one scatter
-            got = {gi: st.read(src) for gi, st in self.states.items()}
+        self._undefined(s)
+        # 1. the worker's block copies (with its state update, before the connector
+        # starts its loads), one gather then one scatter, in every cache
+        # (a block id is one group's at a time; the others copy junk into junk)
+        if s.copies:
+            got = {gi: [st.read(a) for a, _ in s.copies] for gi, st in self.states.items()}
+            src = torch.tensor([a for a, _ in s.copies], device=self.device)
+            dst = torch.tensor([b for _, b in s.copies], device=self.device)
+            kv = [(c.k[src].clone(), c.v[src].clone()) for c in self.caches]
             for gi, st in self.states.items():
-                st.write(dst, got[gi])
+                for (_, b), h in zip(s.copies, got[gi], strict=True):
+                    st.write(b, h)
+            for c, (k, v) in zip(self.caches, kv, strict=True):
+                c.k[dst], c.v[dst] = k, v
+        # then loads (ordered: on the compute stream, just before the kernel)
+        for r in s.reqs:
+            if not self.unordered or r.rs.rid in s.load_late:
+                self._load(s.step, r.rs)
         # 2. every request's new K/V, through the tables the step was scheduled with
         states = []
         for r in s.reqs:
