@@ -130,9 +130,12 @@ def test_vllm_tests_fail_where_the_findings_show(tmp_path):
                 assert meta["crash"] in failure, (stem, failure[:600])
                 continue
             v = meta["violation"]
-            rid = re.search(r"for (r\d+)|(r\d+) pos", v)
-            for part in ("property 2 (null-read)", re.search(r"step \d+", v)[0],
-                         rid[1] or rid[2]):
+            # the property, the step (property 7: what stalled, up to the requests) and request
+            label, _, what = v.partition(": ")
+            step = re.search(r"step \d+", v)
+            parts = [label, re.search(r"r\d+", v)[0],
+                     step[0] if step else what.partition(" have not finished")[0]]
+            for part in parts:
                 assert part in failure, (stem, part, failure[:600])
 
 

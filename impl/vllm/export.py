@@ -5,13 +5,15 @@ The module written is the trace's config and events as data, followed by
 :mod:`impl.vllm.vllm_test_harness` (which builds the scheduler as vLLM's
 ``tests/v1/core`` and ``tests/v1/kv_connector/unit`` tests do, replays the
 events through ``schedule()`` / ``update_from_output()`` and asserts property
-2 on vLLM's objects) and one test function. It needs vLLM (0.33 line) and
-pytest only. Nothing here imports vLLM.
+2 on vLLM's objects, and property 7 in a trace's closing Drain) and one test
+function. It needs vLLM (0.33 line) and pytest only. Nothing here imports
+vLLM.
 
 What it cannot state is refused with one line (:class:`ExportError`): a
-violation of another property than 2 (the exported test asserts reads and
-fails on crashes), a Drain event, a rejected draft (the harness keys slots by
-tokens known in advance), a kind it does not model.
+violation of another property than 2 or 7 (the exported test asserts reads and
+progress, and fails on crashes), a Drain but as the closing event of a trace
+that shows property 7, a drafter other than n-gram, EAGLE and MTP, a failed
+load beside Mamba drafts, a kind it does not model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from model.events import (
     Abort,
     AddRequest,
+    Drain,
     FailLoad,
     Finish,
     Preempt,
@@ -42,7 +45,7 @@ class ExportError(Exception):
 
 
 def _events(trace: Trace) -> list[tuple]:
-    cfg, out = trace.config, []
+    out: list[tuple] = []
     for i, ev in enumerate(trace.events):
         t = type(ev)
         if t is AddRequest:
@@ -51,10 +54,6 @@ def _events(trace: Trace) -> list[tuple]:
         elif t is Schedule:
             out.append(("schedule",))
         elif t is Process:
-            short = {rid: a for rid, a in ev.accepted.items() if a < cfg.spec_tokens}
-            if short:
-                raise ExportError(f"event #{i} rejects drafts ({short}); the exported test "
-                                  f"keys KV by tokens known in advance and takes no rejection")
             out.append(("process", dict(ev.accepted)))
         elif t is FailLoad:
             out.append(("fail_load", ev.id, ev.first_bad_block))
@@ -64,20 +63,32 @@ def _events(trace: Trace) -> list[tuple]:
             out.append(("finish", ev.id))
         elif t is Abort:
             out.append(("abort", ev.id))
+        elif t is Drain and i == len(trace.events) - 1 and _prop(trace) == "7":
+            out.append(("drain",))
+        elif t is Drain:
+            raise ExportError(f"event #{i} (Drain) is exported only as the closing event of a "
+                              f"trace that shows property 7 (there the checker judged it)")
         else:
             raise ExportError(f"event #{i} ({t.__name__}) has no vLLM-test form "
                               f"(the exported test replays schedule/update_from_output only)")
     return out
 
 
+def _prop(trace: Trace) -> str | None:
+    m = re.match(r"property (\d+)", str(trace.meta.get("violation", "")))
+    return m[1] if m else None
+
+
 def _check(trace: Trace) -> None:
     cfg = trace.config
-    if cfg.spec_tokens and cfg.drafter not in ("ngram", "eagle"):
+    if cfg.spec_tokens and cfg.drafter not in ("ngram", "eagle", "mtp"):
         raise ExportError(f"drafter {cfg.drafter} is not built by the exported test "
-                          f"(ngram and eagle are)")
-    if any(g.draft for g in cfg.groups):
-        raise ExportError("a drafter's own group (draft: true) is not built by the exported "
-                          "test (its EAGLE layer shares the first group)")
+                          f"(ngram, eagle and mtp are)")
+    if cfg.spec_tokens and any(g.kind == "mamba" for g in cfg.groups) and \
+            any(type(ev) is FailLoad for ev in trace.events):
+        raise ExportError("a failed load beside Mamba drafts has no vLLM-test form (the "
+                          "exported test keeps drafted Mamba states in the worker's slots, "
+                          "which no failed load spoils)")
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
         raise ExportError(f"kind {bad[0]} is not modeled by the exported test")
@@ -86,11 +97,13 @@ def _check(trace: Trace) -> None:
     if m and m[1] != "0.33":
         raise ExportError(f"the trace shows on {target}; the exported test speaks vLLM 0.33's "
                           f"API (schedule(), the planner, KVConnectorOutput) and runs on that line")
-    violation = str(trace.meta.get("violation", ""))
-    m = re.match(r"property (\d+)", violation)
-    if m and m[1] != "2":
-        raise ExportError(f"the trace shows property {m[1]}; the exported test asserts property "
-                          f"2 (reads) and fails on a crash")
+    prop = _prop(trace)
+    if prop not in (None, "2", "7"):
+        raise ExportError(f"the trace shows property {prop}; the exported test asserts property "
+                          f"2 (reads) and 7 (progress, in a closing Drain) and fails on a crash")
+    if prop == "7" and not (trace.events and type(trace.events[-1]) is Drain):
+        raise ExportError("the trace shows property 7 without a closing Drain; the exported "
+                          "test judges progress only in one")
 
 
 def _identifier(name: str) -> str:
