@@ -13,13 +13,25 @@ replays the events through ``schedule()`` / ``update_from_output()`` and keeps,
 for every slot of every block, which token prefix's KV it holds (the block
 copies a step hands the worker, ``kv_cache_block_copies``, run before its
 forward as the worker runs them: every source read before any destination is
-written). It asserts
-property 2 on vLLM's own objects: every position a scheduled step reads below
-its start, through the block table ``schedule()`` handed out, holds KV written
-for the request's own tokens (not the NULL block, not a block a failed load
-left without KV, not another prefix's KV), and the output of a step that read
-KV a failed load never delivered does not count. A crash inside vLLM fails
-the test with vLLM's own traceback.
+written). A rejected draft's position holds the draft's KV until computed
+again, and a step in flight behind the rejection computes its positions
+shifted down, as async spec decoding corrects them. With drafts a Mamba
+group's states live in the worker's slots: the model runner's block table,
+kept from each ``SchedulerOutput`` as the runner keeps it (append-only), where
+a step writes its running state and one state per draft from the slot of its
+last position on, the postprocess copies an accepted block-edge state into the
+slot of the block it closes, and the next step starts from the slot its
+acceptance picks. It asserts property 2 on vLLM's own objects: every position
+a scheduled step reads below its start, through the block table
+``schedule()`` handed out (a drafted Mamba state: through the worker's
+table), holds KV written for the request's own tokens (not the NULL block,
+not a block a failed load left without KV, not another prefix's KV), a
+drafted Mamba step writes its states into blocks of their own, and the output
+of a step that read KV a failed load never delivered does not count. A
+closing ``drain`` asserts property 7: run as the engine loop runs, every
+request finishes, and ``schedule()`` never schedules nothing more than
+``depth`` times in a row with nothing in flight while one waits. A crash
+inside vLLM fails the test with vLLM's own traceback.
 """
 
 from __future__ import annotations
