@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  ./kvcheck export findings/failed-load-prefix-hit-reads-missing-kv.json "
                "--vllm-test test_prefix_hit.py\nthe module needs vLLM (0.33 line) and pytest "
                "only; it replays the trace through schedule()/update_from_output() and asserts "
-               "property 2 on vLLM's objects")
+               "property 2 (reads) or, in a closing Drain, 7 (progress) on vLLM's objects")
     e.add_argument("trace")
     e.add_argument("--vllm-test", required=True, metavar="OUT.py",
                    help="the module to write (never over an existing file)")
