@@ -71,6 +71,7 @@ def test_export_refuses_what_it_cannot_state(tmp_path, capsys):
             {"version": 1, "config": t.config.to_json(), "events": [{"type": "Drain"}]}
         ).events], {}),
         "prop1": Trace(t.config, t.events, {"violation": "property 1 (freed-while-read): x"}),
+        "prop7_no_drain": Trace(t.config, t.events, {"violation": "property 7 (progress): x"}),
     }
     for name, trace in cases.items():
         path = tmp_path / f"{name}.json"
