@@ -123,6 +123,7 @@ from model.mamba_slots import checkpoint_copy, start_slot, worker_slots, written
 from model.observations import (
     NULL,
     AllocObs,
+    CopyObs,
     FinishObs,
     FreeObs,
     Item,
@@ -242,6 +243,9 @@ class _Step:
     load_late: set[str] = field(default_factory=set)
     # (group, block) handed out afresh for it: undefined until written, junk when it runs
     fresh: list[tuple[int, int]] = field(default_factory=list)
+    # (group, block) a copy of it held, back in the pool before it runs: the
+    # unordered writer takes them after its copies (issued after them)
+    after_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -287,6 +291,7 @@ class AttentionReplay:
         self.unordered = cfg.hazard == "unordered"
         self.pending: list[_Step] = []
         self.fresh: list[tuple[int, int]] = []  # handed out afresh, for the next step
+        self.copy_freed: list[tuple[int, int]] = []  # returned by a copy's free this event
         self.fresh_salt = 0
         self.refs: Counter[tuple[int, int]] = Counter()
         self.gen: Counter[str] = Counter()  # preemptions per request
@@ -324,6 +329,12 @@ class AttentionReplay:
                 self.refs[(it.group, it.block)] += 1
                 if not it.cached and it.block != NULL:
                     self.fresh.append((it.group, it.block))
+            elif isinstance(it, CopyObs):
+                # the copy holds both blocks until it ran (its ``copy`` frees); a
+                # hit's slot moving to dst: the request's reference of src is the
+                # copy's, and the request holds dst
+                self.refs[(it.group, it.src)] += it.logical < 0
+                self.refs[(it.group, it.dst)] += 1 + (it.logical >= 0)
             elif isinstance(it, FreeObs):
                 self._free(it, (ei, ii))
             elif isinstance(it, ProcessObs):
@@ -338,6 +349,17 @@ class AttentionReplay:
                 self._kill(it.rid, it.reason)
         if scheduled and self.fresh:
             scheduled[0].fresh, self.fresh = self.fresh, []
+        # a block a copy held, returned before the copy ran (vLLM at depth 1 frees
+        # the copy's holds in the schedule that queues it): with nothing pending
+        # ahead of the copy's step, the copy runs before any write issued later
+        first = scheduled[0] if scheduled and scheduled[0] is self.pending[0] else None
+        copied = {b for ab in first.copies for b in ab} if first else set()
+        for key in self.copy_freed:
+            if key[1] in copied:
+                first.after_copies.append(key)
+            else:
+                self._take(key)
+        self.copy_freed = []
         if self.unordered:
             # a connector's load is issued with the schedule, on its own stream:
             # it lands before any pending kernel runs. The worker queues the
@@ -363,9 +385,16 @@ class AttentionReplay:
             self.gen[f.rid] += 1  # steps scheduled from now on belong to the restart
         if (self.unordered and f.block != NULL and self.refs[key] <= 0
                 and self.foreign_ok.get(where, True)):
-            self.taken[key] = (self.scheduled, self.st.foreign_writes)
-            self._fill_foreign(key, np.arange(self.Bs[f.group]))
-            self.st.foreign_writes += 1
+            if f.reason == "copy":
+                self.copy_freed.append(key)  # decided with the event's step
+                return
+            self._take(key)
+
+    def _take(self, key: tuple[int, int]) -> None:
+        """The unordered writer fills a block back in the pool."""
+        self.taken[key] = (self.scheduled, self.st.foreign_writes)
+        self._fill_foreign(key, np.arange(self.Bs[key[0]]))
+        self.st.foreign_writes += 1
 
     def _undefined(self, s: _Step) -> None:
         """Blocks handed out afresh for ``s`` hold what they held before: stale KV
@@ -475,6 +504,9 @@ class AttentionReplay:
                     st.write(b, h)
             for c, (k, v) in zip(self.caches, kv, strict=True):
                 c.k[dst], c.v[dst] = k, v
+        for key in s.after_copies:
+            if self.refs[key] <= 0:  # not handed out again meanwhile
+                self._take(key)
         # then loads (ordered: on the compute stream, just before the kernel)
         for r in s.reqs:
             if not self.unordered or r.rs.rid in s.load_late:
@@ -531,10 +563,11 @@ class AttentionReplay:
                 self.st.rows.append(self._attend(s.step, r.rs, good, "; ".join(note),
                                                  extra=extra))
         # the postprocess: an accepted state at a block edge into the slot it closes
-        if po is not None:
-            for r, dead, rejected, _ in plan:
-                if not dead:
-                    self._checkpoint(r, rejected)
+        # (the worker's, after sampling: a step never processed, at the trace's
+        # end, ran it too, all its drafts accepted)
+        for r, dead, rejected, _ in plan:
+            if not dead:
+                self._checkpoint(r, rejected)
         # 4. rejections move this request's later in-flight steps down
         for r, _dead, rejected, _ in plan:
             rid = r.rs.rid

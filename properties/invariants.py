@@ -590,7 +590,8 @@ class Checker:
                 # the worker's table may name the block at another slot too
                 # (a relocated speculative block): any slot the part touches
                 rb = pp.reads_from - lo
-                prb = 0 if pp.prev is None or pp.prev.acc is not None else rb + pp.prev.rs.spec
+                prb = 0 if pp.prev is None or pp.prev.acc is not None else \
+                    max(0, rb - (0 if pp.prev.dead else pp.prev.rs.spec))
                 slots = self._state_blocks(pp, g, self.Bs[group], rb, prb)
                 if any(x < len(table) and table[x] == block for x in slots):
                     return pp, pp.start

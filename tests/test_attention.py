@@ -549,6 +549,24 @@ def test_finding_exact_with_its_fix(name):
     assert not rep.violations and rep.state_reads > 0, format_report(rep)
 
 
+# Controls on the combined fix tree of findings 8-10: a hit's copy holds both
+# blocks until its frees; vLLM frees those holds in the schedule that queues the
+# copy at depth 1, where the copy still runs before any later write; a step
+# never processed (the trace's end) ran its postprocess too.
+REPLAY_CONTROLS = ["partial-hit-copy-of-loaded-block-attention-fix",
+                   "partial-hit-copy-freed-in-its-schedule-attention-fix",
+                   "mamba-drafts-unprocessed-at-end-attention-fix"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", REPLAY_CONTROLS)
+def test_copy_and_postprocess_controls_match(name):
+    t = Trace.load(ROOT / "traces" / "vllm" / f"{name}.json")
+    rep = replay_attention(t, _target_of(t), device="cpu")
+    assert rep.ok and rep.max_err <= FP32_TOL and not rep.violations, format_report(rep)
+    assert rep.state_reads > 0 and rep.positions > 0
+
+
 @pytest.mark.vllm
 def test_align_mamba_control_with_drafts_matches():
     """The control beside finding 10: align mode, three drafts (K < B), rejections

@@ -85,3 +85,19 @@ def test_a_mamba_request_holds_a_state_per_chunk_in_flight_beside_its_draft_slot
     assert obs[-1].counters.bound[2] == rows + cfg.spec_tokens
     assert max(rc.live[2] for o in obs for rc in o.counters.reqs.values()) == 9 > rows
     assert replay(t, "vllm@0.33.0").first is None
+
+
+DEPTH3 = ROOT / "traces" / "vllm" / "mamba-drafts-depth3-state-slots-of-the-step-before-0.33.0.json"
+
+
+@pytest.mark.parametrize("where", ["reference", "0.33.0"])
+def test_a_step_behind_an_unprocessed_one_starts_where_that_one_can_end(where):
+    """Depth 3, two drafts: step 3 follows step 2, both unprocessed. Step 2's
+    end moves down only by the drafts of the steps before it (none: step 1 is
+    processed); its own drafts pick which of its slots step 3 starts from. No
+    outcome reaches slot 0, so letting go of the state there holds (a checker
+    that also moved step 2's end by its own drafts called it property 1)."""
+    t = Trace.load(DEPTH3)
+    rr = replay(t, "reference" if where == "reference" else vllm_target(where))
+    assert rr.crash is None and rr.first is None, rr.crash or rr.first
+    assert rr.witness.get("free_while_in_flight", 0) >= 1
