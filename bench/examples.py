@@ -8,7 +8,9 @@ second, and a digest of every example's config and events: two trees given
 the same seed run the same examples when their digests agree. ``--profile``
 runs the job under cProfile and prints the share of CPU by layer (vLLM's
 reset and stepping, the driver, the checker, the state machine, Hypothesis)
-and the top functions by own time. ``--repeat N`` runs it N times.
+and the top functions by own time. ``--timers`` prints the CPU inside vLLM's
+reset and events, the checker and the collector, and how Hypothesis's test
+cases ended (valid, invalid, overrun). ``--repeat N`` runs it N times.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def _profile_summary(pr: cProfile.Profile, top: int) -> dict[str, Any]:
 def _timers() -> tuple[dict[str, float], Any]:
     """CPU seconds inside vLLM's reset, the driver's events, the checker and
     the garbage collector (wrappers and ``gc.callbacks``; a few % overhead):
-    a share not inflated by a profiler. Returns the totals and an undo."""
+    a share not inflated by a profiler; and how many of Hypothesis's test
+    cases ended valid, invalid or overrun. Returns the totals and an undo."""
     import gc
 
     from properties.invariants import Checker
@@ -107,6 +110,22 @@ def _timers() -> tuple[dict[str, float], Any]:
             tot["gc"] += time.process_time() - t0[0]
     gc.callbacks.append(on_gc)
     undo.append(lambda: gc.callbacks.remove(on_gc))
+    # how each of Hypothesis's test cases ended: VALID (completed), INVALID
+    # (stopped at a draw, e.g. rule selection with every rule whose
+    # precondition holds switched off by its feature flags), OVERRUN (a
+    # replayed or mutated choice sequence ran out); every one ran setup
+    from hypothesis.internal.conjecture.engine import ConjectureRunner
+
+    test_function = ConjectureRunner.test_function
+
+    def counted(runner: Any, data: Any) -> Any:
+        try:
+            return test_function(runner, data)
+        finally:
+            key = f"cases {data.status.name.lower()}"
+            tot[key] = tot.get(key, 0) + 1
+    ConjectureRunner.test_function = counted  # type: ignore[method-assign]
+    undo.append(lambda: setattr(ConjectureRunner, "test_function", test_function))
     return tot, lambda: [u() for u in undo]
 
 
@@ -177,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timers", action="store_true",
-                    help="CPU inside vLLM's reset and events, the checker and the collector")
+                    help="CPU inside vLLM's reset and events, the checker and the collector, "
+                         "and how Hypothesis's test cases ended")
     ap.add_argument("--gc", default=None,
                     help="the collector's thresholds for the run, e.g. 20000,20,20")
     ap.add_argument("--dump", default=None, help="with --profile: write the pstats here")
@@ -199,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         t = r.get("timers")
         if t:
             print("  CPU in: " + ", ".join(f"{k} {v:.2f} s ({100 * v / r['cpu_s']:.0f}%)"
-                                           for k, v in t.items()))
+                                           for k, v in t.items() if not k.startswith("cases")))
+            print("  Hypothesis's test cases: " + ", ".join(
+                f"{k.split()[1]} {v}" for k, v in sorted(t.items()) if k.startswith("cases")))
         p = r.get("profile")
         if p:
             tot = p["total"] or 1.0

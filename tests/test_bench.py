@@ -212,3 +212,20 @@ def test_stats_and_formatting():
     assert bench.fstat(s) == "2 (1–3)"
     assert bench.fstat(bench.stats([0.5])) == "0.500 (1 run)"
     assert bench.fmt(12345.6) == "12,346" and bench.fmt(None) == "—"
+
+
+def test_examples_timers_count_how_test_cases_ended():
+    from hypothesis.internal.conjecture.engine import ConjectureRunner
+
+    from bench.examples import timed_job
+    from properties.machine import FuzzSpec
+
+    before = ConjectureRunner.test_function
+    r = timed_job(FuzzSpec(target="reference", kind="sliding", depth=2, external=False),
+                  20, 0, timers=True)
+    cases = {k.split()[1]: v for k, v in r["timers"].items() if k.startswith("cases")}
+    assert set(cases) <= {"valid", "invalid", "overrun", "interesting"}
+    assert cases.get("valid", 0) >= 1
+    # every example that ran setup is one of Hypothesis's test cases
+    assert r["examples"] <= sum(cases.values())
+    assert ConjectureRunner.test_function is before  # the counter is taken off again
