@@ -90,8 +90,6 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
         return _WHY.format(v=version, what=what)
 
     pins = (
-        ("spec_tokens", 0, why("speculative decoding is not driven (SGLang's draft workers "
-                               "need a model); use --spec-tokens 0")),
         ("stream_ordered", True, why("one ordered forward stream runs every batch")),
     )
     return {"full": pins, "sliding": pins}
@@ -184,7 +182,7 @@ def worker_for(version: str, slot: int = 0):
         if w is None or not w.alive():
             w = _workers[(version, slot)] = WorkerProcess(
                 f"sglang {version}", [str(compat.install_dir(version))],
-                {"SGLANG_SWA_EVICTION_INTERVAL": "1"})
+                {"SGLANG_SWA_EVICTION_INTERVAL": "1", "TRITON_INTERPRET": "1"})
     w.ready(300.0)
     return w
 
