@@ -964,11 +964,13 @@ class Checker:
             # one ordered forward stream: only a later step writes the block,
             # after this one read it; a rollback (drafts) could still need it
             self.witness["free_read_in_flight"] += 1
-            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, p, B, P):
+            low = self._rollback_floor(f.rid, p)
+            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, low, B, P):
                 self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                            f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
-                           f"out-of-window though a rollback to the settled count {p} needs "
-                           f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} "
+                           f"out-of-window though a rollback to count {low} (settled {p}, "
+                           f"every draft in flight rejected) needs "
+                           f"{self._fmt_reads(g, low, P)}{self._fmt_retained(g, low)} "
                            f"({g.label()})", rid=f.rid, block=f.block)
         elif hit is not None:
             pp, t = hit
@@ -980,14 +982,32 @@ class Checker:
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
                        f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
                     step=pp.step, rid=f.rid, block=f.block)
-        elif f.logical not in freeable_blocks(g, p, B, P) and not (
-                self._stream_ordered and not self.cfg.spec_tokens):
+        elif self._stream_ordered:
+            # nothing in flight reads it: only a later step could, after a rollback
+            low = self._rollback_floor(f.rid, p)
+            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, low, B, P):
+                self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
+                           f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
+                           f"out-of-window though a rollback to count {low} (settled {p}, "
+                           f"every draft in flight rejected) needs "
+                           f"{self._fmt_reads(g, low, P)}{self._fmt_retained(g, low)} "
+                           f"({g.label()})", rid=f.rid, block=f.block)
+        elif f.logical not in freeable_blocks(g, p, B, P):
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
                        f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} ({g.label()})",
                     rid=f.rid, block=f.block)
+
+    def _rollback_floor(self, rid: str, p: int) -> int:
+        """The lowest count ``rid`` can be rolled back to: its settled count
+        plus the tokens of its steps in flight that are not drafts (only a
+        rejected draft lowers the count). Under one ordered forward stream a
+        step in flight reads before any later step writes, so a window free
+        is judged only against the steps scheduled after it, which start at
+        this count at the lowest."""
+        return p + sum(pp.end - pp.start - pp.rs.spec for pp in self._live_pending(rid))
 
     def _check_returned(self, f: FreeObs) -> None:
         """A block went back to the pool (request-level): no unprocessed step
