@@ -95,6 +95,7 @@ class Driver:
     def reset(self, cfg: Config) -> Observed:
         torch = self.torch
         from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -103,7 +104,6 @@ class Driver:
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
