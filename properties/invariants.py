@@ -74,6 +74,7 @@ WITNESSES = {
     "window_free": "a block returned to the pool because it left the window",
     "free_while_in_flight": "a window free while another step of the request was in flight",
     "rollback_near_free": "a draft rejection in a request with freed (NULL) slots",
+    "draft_rejected": "a processed step whose request accepted fewer drafts than it had",
     "preempt_in_flight": "a preemption with steps of the request in flight",
     "failed_load": "a failed connector load, recomputed",
     "failed_load_in_flight": "a failed load with another step of the request in flight",
@@ -1386,6 +1387,7 @@ class Checker:
             pp.acc = pp.rs.spec - rejected
             req.p = pp.end - rejected
             if rejected > 0:
+                self.witness["draft_rejected"] += 1
                 if req.window_freed:
                     self.witness["rollback_near_free"] += 1
                 if self._mamba and (pp.end - rejected - 1) // self.B < (pp.end - 1) // self.B:

@@ -91,6 +91,9 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
 
     pins = (
         ("stream_ordered", True, why("one ordered forward stream runs every batch")),
+        ("drafter", "ngram", why("drafts are driven as SGLang's NGRAM chain (no draft KV "
+                                 "of its own); EAGLE's draft-model KV pool is not: use "
+                                 "--drafter ngram")),
     )
     return {"full": pins, "sliding": pins}
 
