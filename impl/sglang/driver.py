@@ -8,7 +8,9 @@ worker, so :class:`Driver` plays its loop (``event_loop_overlap`` at depth 2,
 ``PrefillAdder``, ``ScheduleBatch`` (``init_new``, ``prepare_for_extend``,
 ``prepare_for_decode``, ``filter_batch``, ``merge_batch``,
 ``check_decode_mem``, ``retract_decode``, ``release_req``),
-``checkpoint_kv_cache`` and ``release_kv_cache``. The module docstring of
+``checkpoint_kv_cache`` and ``release_kv_cache``; with drafts SGLang's NGRAM
+chain (``eagle_prepare_for_decode``, ``alloc_for_spec_decode``,
+``SchedulerBatchResultProcessor._resolve_spec_v2_tokens``). The module docstring of
 :mod:`impl.sglang.target` says how each event maps onto them.
 
 Blocks are SGLang's pages: ``B = page_size`` (page size 1: a block is a
@@ -692,7 +694,8 @@ def unsupported(cfg: Config) -> str | None:
                 f"(no draft KV of its own); EAGLE's draft-model KV pool is not (drafter ngram)")
     if cfg.depth > 2:
         return (f"depth {cfg.depth}: SGLang runs one batch in flight (overlap scheduler, "
-                f"depth 2) or none (depth 1)")
+                f"depth 2) or none (depth 1); its PP loop's micro-batches hold disjoint "
+                f"requests")
     B = cfg.block_size
     if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
         # the sliding layout's full-attention pool has the SWA pool's size
