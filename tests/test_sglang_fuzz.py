@@ -25,6 +25,7 @@ RADIX_EXAMPLES, RADIX_SEED = 30, 1
 FINDINGS = REPO / "findings" / "sglang"
 RADIX = FINDINGS / "radix-checkpoint-frees-in-flight-chunk-unordered.json"
 ABORT = FINDINGS / "chunked-abort-releases-in-flight-chunk-unordered.json"
+LENGTH = FINDINGS / "length-finish-by-accepted-run-releases-under-next-verify-unordered.json"
 
 
 def _kvcheck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -126,6 +127,7 @@ def test_sliding_fuzz_with_drafts_holds_with_rejections_after_window_frees(tmp_p
 # to the optimistic count (the verify in flight taken as wholly accepted)
 _SLIP = """
 import json, sys
+from dataclasses import replace
 from impl.target import make_target
 from model.events import Trace
 from model.observations import StepObs
@@ -135,17 +137,22 @@ target = make_target("sglang@0.5.23")
 ok = replay(trace, target, stop_at_first=False)
 steps = [(it.step, r.rid, r.start, r.end, r.spec) for row in ok.rows for it in row.obs.items
          if type(it) is StepObs for r in it.reqs]
+length = Trace.load(sys.argv[2])
+unordered = replay(length, target).violations
+ordered = replay(Trace(replace(length.config, hazard="ordered"), length.events), target)
 from sglang.srt.managers.schedule_batch import Req
 K = trace.config.spec_tokens
 Req.seqlen = property(lambda r: len(r.origin_input_ids) + len(r.output_ids) + 1 + K)
 slip = replay(trace, target, stop_at_first=False)
 print(json.dumps({"ok": [v.message for v in ok.violations], "steps": steps,
-                  "slip": [[v.prop, v.message] for v in slip.violations]}))
+                  "slip": [[v.prop, v.message] for v in slip.violations],
+                  "length": [[v.prop, v.message] for v in unordered],
+                  "length_ordered": [v.message for v in ordered.violations]}))
 """
 
 
 def test_drafts_trace_holds_and_an_eviction_on_the_optimistic_count_is_caught():
-    p = subprocess.run([sys.executable, "-c", _SLIP, str(DRAFTS)], cwd=REPO,
+    p = subprocess.run([sys.executable, "-c", _SLIP, str(DRAFTS), str(LENGTH)], cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -161,6 +168,11 @@ def test_drafts_trace_holds_and_an_eviction_on_the_optimistic_count_is_caught():
     props = {v[0] for v in got["slip"]}
     assert 1 in props, got["slip"]
     assert any("rollback to count" in m for _, m in got["slip"]), got["slip"]
+    # finding 4: a verify's accepted run finishes r0 by length while the next
+    # verify is in flight; its release is property 1 only with an unordered writer
+    assert got["length"] and got["length"][0][0] == 1, got["length"]
+    assert "(finish of r0) while step 2 of r0 still reads it" in got["length"][0][1]
+    assert got["length_ordered"] == [], got["length_ordered"]
 
 
 @pytest.mark.parametrize("args, line", [
