@@ -74,6 +74,7 @@ WITNESSES = {
     "window_free": "a block returned to the pool because it left the window",
     "free_while_in_flight": "a window free while another step of the request was in flight",
     "rollback_near_free": "a draft rejection in a request with freed (NULL) slots",
+    "draft_rejected": "a processed step whose request accepted fewer drafts than it had",
     "preempt_in_flight": "a preemption with steps of the request in flight",
     "failed_load": "a failed connector load, recomputed",
     "failed_load_in_flight": "a failed load with another step of the request in flight",
@@ -965,11 +966,13 @@ class Checker:
             # one ordered forward stream: only a later step writes the block,
             # after this one read it; a rollback (drafts) could still need it
             self.witness["free_read_in_flight"] += 1
-            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, p, B, P):
+            low = self._rollback_floor(f.rid, p)
+            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, low, B, P):
                 self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                            f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
-                           f"out-of-window though a rollback to the settled count {p} needs "
-                           f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} "
+                           f"out-of-window though a rollback to count {low} (settled {p}, "
+                           f"every draft in flight rejected) needs "
+                           f"{self._fmt_reads(g, low, P)}{self._fmt_retained(g, low)} "
                            f"({g.label()})", rid=f.rid, block=f.block)
         elif hit is not None:
             pp, t = hit
@@ -981,14 +984,32 @@ class Checker:
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
                        f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
                     step=pp.step, rid=f.rid, block=f.block)
-        elif f.logical not in freeable_blocks(g, p, B, P) and not (
-                self._stream_ordered and not self.cfg.spec_tokens):
+        elif self._stream_ordered:
+            # nothing in flight reads it: only a later step could, after a rollback
+            low = self._rollback_floor(f.rid, p)
+            if self.cfg.spec_tokens and f.logical not in freeable_blocks(g, low, B, P):
+                self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
+                           f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
+                           f"out-of-window though a rollback to count {low} (settled {p}, "
+                           f"every draft in flight rejected) needs "
+                           f"{self._fmt_reads(g, low, P)}{self._fmt_retained(g, low)} "
+                           f"({g.label()})", rid=f.rid, block=f.block)
+        elif f.logical not in freeable_blocks(g, p, B, P):
             self._v(1, f"block {f.block} (logical {f.logical} of {f.rid}, positions "
                        f"[{f.logical * B}, {(f.logical + 1) * B})) returned "
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
                        f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} ({g.label()})",
                     rid=f.rid, block=f.block)
+
+    def _rollback_floor(self, rid: str, p: int) -> int:
+        """The lowest count ``rid`` can be rolled back to: its settled count
+        plus the tokens of its steps in flight that are not drafts (only a
+        rejected draft lowers the count). Under one ordered forward stream a
+        step in flight reads before any later step writes, so a window free
+        is judged only against the steps scheduled after it, which start at
+        this count at the lowest."""
+        return p + sum(pp.end - pp.start - pp.rs.spec for pp in self._live_pending(rid))
 
     def _check_returned(self, f: FreeObs) -> None:
         """A block went back to the pool (request-level): no unprocessed step
@@ -1367,6 +1388,7 @@ class Checker:
             pp.acc = pp.rs.spec - rejected
             req.p = pp.end - rejected
             if rejected > 0:
+                self.witness["draft_rejected"] += 1
                 if req.window_freed:
                     self.witness["rollback_near_free"] += 1
                 if self._mamba and (pp.end - rejected - 1) // self.B < (pp.end - 1) // self.B:

@@ -221,3 +221,26 @@ def test_stream_ordered_frees_are_judged_by_the_hazard():
                                             r.witness.get("free_read_in_flight", 0))
     assert got == {(False, "ordered"): ([1], 0), (True, "ordered"): ([], 5),
                    (True, "unordered"): ([1], 5)}, got
+
+
+def test_stream_ordered_frees_with_drafts_are_judged_at_the_rollback_floor():
+    """Stream-ordered with drafts: a window free must lie outside the window
+    of the lowest count a rejection can roll back to (the settled count plus
+    the in-flight tokens that are not drafts). A prefill chunk in flight
+    cannot be rejected, so the optimistic free under chunk [0, 8) holds; two
+    decodes with drafts in flight can be, so the free of [6, 8) is property 1
+    (a rollback to 9 reads [6, 9])."""
+    from model.events import AddRequest, Config, Group, Process, Schedule, Trace
+    from properties.replay import replay
+
+    cfg = Config(groups=(Group("sliding", 4),), block_size=1, num_blocks=64,
+                 max_num_batched_tokens=8, max_model_len=32, depth=2, policy="optimistic",
+                 spec_tokens=2, stream_ordered=True)
+    chunk = replay(Trace(cfg, [AddRequest("r0", 16, 2), Schedule(), Schedule()]),
+                   "reference", stop_at_first=False)
+    assert not chunk.violations and chunk.witness["free_read_in_flight"] == 5
+    drafts = replay(Trace(cfg, [AddRequest("r0", 8, 8), Schedule(), Process(), Schedule(),
+                                Schedule()]), "reference", stop_at_first=False)
+    assert {v.prop for v in drafts.violations} == {1}
+    assert any("rollback to count 9 (settled 8" in v.message and "logical 6 of r0" in v.message
+               for v in drafts.violations), [v.message for v in drafts.violations]

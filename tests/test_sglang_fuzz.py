@@ -8,6 +8,7 @@ install fails here (the target's one line)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,10 +20,12 @@ from properties.invariants import WITNESSES
 REPO = compat.REPO
 TARGET = "sglang@0.5.23"
 TRACE = REPO / "traces" / "sglang" / "chunked-overlap-retract-0.5.23.json"
+DRAFTS = REPO / "traces" / "sglang" / "drafts-overlap-rejection-0.5.23.json"
 RADIX_EXAMPLES, RADIX_SEED = 30, 1
 FINDINGS = REPO / "findings" / "sglang"
 RADIX = FINDINGS / "radix-checkpoint-frees-in-flight-chunk-unordered.json"
 ABORT = FINDINGS / "chunked-abort-releases-in-flight-chunk-unordered.json"
+LENGTH = FINDINGS / "length-finish-by-accepted-run-releases-under-next-verify-unordered.json"
 
 
 def _kvcheck(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -109,9 +112,73 @@ def test_pending_chunked_abort_release_is_property_1_with_an_unordered_writer(tm
     assert p.returncode == 0 and "verdict: all properties hold" in p.stdout, p.stdout[-3000:]
 
 
+def test_sliding_fuzz_with_drafts_holds_with_rejections_after_window_frees(tmp_path):
+    res = _fuzz(tmp_path, "sliding", "--spec-tokens", "2", "--prefix-caching", "off",
+                "--hazard", "ordered")
+    assert res["verdict"] == "holds", res
+    w = {k: res["witnesses"].get(k, 0) for k in WITNESSES}
+    # SGLang's verifies had drafts rejected, some in requests whose window
+    # SGLang had already freed, with another verify in flight
+    assert w["draft_rejected"] > 0 and w["rollback_near_free"] > 0, w
+    assert w["window_free"] > 0 and w["free_while_in_flight"] > 0 and w["drained"] > 0, w
+
+
+# the drafts trace on the target, then with decode-time SWA eviction slipped
+# to the optimistic count (the verify in flight taken as wholly accepted)
+_SLIP = """
+import json, sys
+from dataclasses import replace
+from impl.target import make_target
+from model.events import Trace
+from model.observations import StepObs
+from properties.replay import replay
+trace = Trace.load(sys.argv[1])
+target = make_target("sglang@0.5.23")
+ok = replay(trace, target, stop_at_first=False)
+steps = [(it.step, r.rid, r.start, r.end, r.spec) for row in ok.rows for it in row.obs.items
+         if type(it) is StepObs for r in it.reqs]
+length = Trace.load(sys.argv[2])
+unordered = replay(length, target).violations
+ordered = replay(Trace(replace(length.config, hazard="ordered"), length.events), target)
+from sglang.srt.managers.schedule_batch import Req
+K = trace.config.spec_tokens
+Req.seqlen = property(lambda r: len(r.origin_input_ids) + len(r.output_ids) + 1 + K)
+slip = replay(trace, target, stop_at_first=False)
+print(json.dumps({"ok": [v.message for v in ok.violations], "steps": steps,
+                  "slip": [[v.prop, v.message] for v in slip.violations],
+                  "length": [[v.prop, v.message] for v in unordered],
+                  "length_ordered": [v.message for v in ordered.violations]}))
+"""
+
+
+def test_drafts_trace_holds_and_an_eviction_on_the_optimistic_count_is_caught():
+    p = subprocess.run([sys.executable, "-c", _SLIP, str(DRAFTS), str(LENGTH)], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["ok"] == [], got["ok"]
+    steps = {(s, rid): (a, e, k) for s, rid, a, e, k in got["steps"]}
+    # each verify: the bonus token and 2 drafts from the committed length plus
+    # the verify in flight; step 1's rejection of both r0 drafts shifts step 3
+    assert steps[(1, "r0")] == (10, 13, 2) and steps[(2, "r0")] == (13, 16, 2)
+    assert steps[(3, "r0")] == (14, 17, 2) and steps[(3, "r1")] == (12, 15, 2)
+    # r1's step 3 result finishes it (a whole accepted run): no step 4 for it
+    assert (4, "r1") not in steps and (4, "r0") in steps
+    props = {v[0] for v in got["slip"]}
+    assert 1 in props, got["slip"]
+    assert any("rollback to count" in m for _, m in got["slip"]), got["slip"]
+    # finding 4: a verify's accepted run finishes r0 by length while the next
+    # verify is in flight; its release is property 1 only with an unordered writer
+    assert got["length"] and got["length"][0][0] == 1, got["length"]
+    assert "(finish of r0) while step 2 of r0 still reads it" in got["length"][0][1]
+    assert got["length_ordered"] == [], got["length_ordered"]
+
+
 @pytest.mark.parametrize("args, line", [
     (("--kind", "chunked_local"), "does not support kind chunked_local"),
-    (("--kind", "sliding", "--spec-tokens", "2"), "speculative decoding is not driven"),
+    (("--kind", "sliding", "--spec-tokens", "2", "--drafter", "eagle"),
+     "drafts are driven as SGLang's NGRAM chain"),
     (("--kind", "sliding", "--depth", "3"), "runs at most 2 step(s) in flight"),
 ])
 def test_unsupported_options_are_one_line_exit_2(args, line):

@@ -8,7 +8,9 @@ worker, so :class:`Driver` plays its loop (``event_loop_overlap`` at depth 2,
 ``PrefillAdder``, ``ScheduleBatch`` (``init_new``, ``prepare_for_extend``,
 ``prepare_for_decode``, ``filter_batch``, ``merge_batch``,
 ``check_decode_mem``, ``retract_decode``, ``release_req``),
-``checkpoint_kv_cache`` and ``release_kv_cache``. The module docstring of
+``checkpoint_kv_cache`` and ``release_kv_cache``; with drafts SGLang's NGRAM
+chain (``eagle_prepare_for_decode``, ``alloc_for_spec_decode``,
+``SchedulerBatchResultProcessor._resolve_spec_v2_tokens``). The module docstring of
 :mod:`impl.sglang.target` says how each event maps onto them.
 
 Blocks are SGLang's pages: ``B = page_size`` (page size 1: a block is a
@@ -71,6 +73,9 @@ class EventRejected(ValueError):
 def import_sglang(version: str) -> None:
     """Make ``import sglang`` load release ``version`` with kvcheck's shims."""
     os.environ["SGLANG_SWA_EVICTION_INTERVAL"] = EVICTION_INTERVAL
+    # SGLang's Triton kernels on the scheduler's path (a verify's req_to_token
+    # write, assign_req_to_token_pool) run in Triton's own CPU interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
     d = str(compat.install_dir(version))
     if d not in sys.path:
         sys.path.insert(0, d)
@@ -92,6 +97,7 @@ class Driver:
     def reset(self, cfg: Config) -> Observed:
         torch = self.torch
         from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -101,6 +107,7 @@ class Driver:
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         why = unsupported(cfg)
         if why:
@@ -109,13 +116,26 @@ class Driver:
         B = cfg.block_size
         g = cfg.groups[0]
         self.kind = g.kind
+        K = self.K = cfg.spec_tokens
+        spec = {}
+        if K:
+            # SGLang's NGRAM drafter as a chain (breadth 1, topk 1): each verify
+            # computes the bonus token and K drafts, K + 1 positions
+            spec = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=K + 1,
+                        speculative_num_steps=K, speculative_eagle_topk=1,
+                        speculative_ngram_max_bfs_breadth=1)
         set_global_server_args_for_scheduler(ServerArgs(
             model_path="dummy", page_size=B, chunked_prefill_size=cfg.max_num_batched_tokens,
             max_running_requests=cfg.max_num_seqs,
-            disable_radix_cache=not cfg.prefix_caching))
+            disable_radix_cache=not cfg.prefix_caching, **spec))
+        self.spec_algo = SpeculativeAlgorithm.NGRAM if K else SpeculativeAlgorithm.NONE
+        # SGLang's req_to_token row: the context and get_req_to_token_extra_context_len
+        # (the draft over-allocation); ours is 2B + 1 wider, so that a row SGLang would
+        # overrun is seen (property 5, bound below) rather than written past
+        self.extra = get_req_to_token_extra_context_len() if K else 0
         size = (cfg.num_blocks - 1) * B  # tokens; page 0 is SGLang's padding slot
         self.r2t = ReqToTokenPool(size=cfg.max_num_seqs + 1,
-                                  max_context_len=cfg.max_model_len + 2 * B + 1,
+                                  max_context_len=cfg.max_model_len + self.extra + 2 * B + 1,
                                   device="cpu", enable_memory_saver=False)
         if g.kind == "sliding":
             kv = SWAKVPool(size=size, size_swa=size, page_size=B, dtype=torch.float32,
@@ -302,7 +322,7 @@ class Driver:
         elif t is Schedule:
             self._schedule()
         elif t is Process:
-            self._process()
+            self._process(ev)
         elif t is Preempt:
             self._preempt(ev.id)
         else:
@@ -352,7 +372,6 @@ class Driver:
     def _schedule(self) -> None:
         from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
         from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         cfg = self.cfg
         B = cfg.block_size
@@ -427,7 +446,7 @@ class Driver:
                     self.chunked_req.inflight_middle_chunks += 1
                 batch = self.ScheduleBatch.init_new(
                     can_run, self.r2t, self.alloc, self.cache, self.model_config,
-                    self.overlap, SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
+                    self.overlap, self.spec_algo, chunked_req=self.chunked_req)
                 self.reason = "window"
                 batch.prepare_for_extend()
         if batch is None and not running.is_empty():
@@ -440,16 +459,42 @@ class Driver:
         self.may_process = False
         reqs = []
         extend = batch.forward_mode.is_extend()
+        K = self.K
         for i, req in enumerate(batch.reqs):
             self.status[req.rid] = "running"
             table = self._sync_table(req)
-            end = int(batch.seq_lens_cpu[i])
-            start = int(batch.prefix_lens[i]) if extend else end - 1
+            if extend:
+                start, end = int(batch.prefix_lens[i]), int(batch.seq_lens_cpu[i])
+            elif K:
+                # a verify: the bonus token and K drafts from the device-side
+                # committed length, i.e. the CPU's kv_committed_len plus every
+                # verify of the request in flight, each taken as wholly accepted
+                # (a rejection shifts this one down when that result is processed)
+                start = self._verify_start(req)
+                end = start + 1 + K
+            else:
+                end = int(batch.seq_lens_cpu[i])
+                start = end - 1
             self.computed[req.rid] = end
-            reqs.append(ReqStep(req.rid, start, end, tables=(tuple(table),)))
+            reqs.append(ReqStep(req.rid, start, end, K if not extend else 0,
+                                tables=(tuple(table),)))
         self.items.append(StepObs(self.step_no, tuple(reqs)))
         self.queue.append((self.step_no, batch.copy(), [r.rid for r in batch.reqs]))
         self.step_no += 1
+
+    def _verify_start(self, req) -> int:
+        """Where ``req``'s next verify starts: ``kv_committed_len`` (SGLang's
+        count of tokens with KV, advanced when a verify's result is processed)
+        plus ``1 + K`` per verify of it still in flight. The count kvcheck
+        tracks (``computed``: drafts included, lowered on rejection) must agree."""
+        flying = sum(1 for _, b, _ in self.queue
+                     if b.forward_mode.is_decode() and any(r is req for r in b.reqs))
+        start = req.kv.kv_committed_len + flying * (1 + self.K)
+        if start != self.computed.get(req.rid):
+            raise AssertionError(f"{req.rid}: SGLang's kv_committed_len {req.kv.kv_committed_len} "
+                                 f"and {flying} verify(s) in flight put its verify at {start}; "
+                                 f"kvcheck counted {self.computed.get(req.rid)}")
+        return start
 
     def _update_running(self, batch):
         """update_running_batch: the decode batch, retracting under pool pressure."""
@@ -489,11 +534,12 @@ class Driver:
         raise AssertionError(f"SGLang aborted {req.rid}: out of memory after retracting "
                              f"every other request")
 
-    def _process(self) -> None:
+    def _process(self, ev: Process) -> None:
         from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
         step, batch, rids = self.queue.pop(0)
         discarded: list[str] = []
+        accepted: list[tuple[str, int]] = []
         self.may_process = False
         at = len(self.items)
         self.items.append(None)  # the ProcessObs: the result is back before anything frees
@@ -503,6 +549,7 @@ class Driver:
                     discarded.append(req.rid)
                     continue
                 if req.inflight_middle_chunks <= 0:
+                    accepted.append((req.rid, 0))
                     req.output_ids.append(SAMPLED)
                     req.update_finish_state()
                     if req.finished():
@@ -512,16 +559,59 @@ class Driver:
                         checkpoint_kv_cache(req, self.cache)
                 else:
                     req.inflight_middle_chunks -= 1
+        elif self.K:
+            # process_batch_result_decode over a verify result: SGLang's own
+            # _resolve_spec_v2_tokens commits each request's accepted run
+            # (kv_committed_len += accepted drafts + the bonus token)
+            accept = {r.rid: min(max(ev.accepted.get(r.rid, self.K), 0), self.K)
+                      for r in batch.reqs}
+            runs = self._resolve_verify(batch, accept)
+            for req, run in zip(batch.reqs, runs, strict=True):
+                if self.overlap and (req.finished() or req.is_retracted):
+                    discarded.append(req.rid)
+                    continue
+                self.computed[req.rid] -= self.K - accept[req.rid]
+                accepted.append((req.rid, accept[req.rid]))
+                req.output_ids.extend(run)
+                req.update_finish_state(len(run))
+                if req.finished():
+                    self._release(req, checkpoint=True)
         else:
             for req in batch.reqs:
                 if self.overlap and (req.finished() or req.is_retracted):
                     discarded.append(req.rid)
                     continue
+                accepted.append((req.rid, 0))
                 req.output_ids.append(SAMPLED)
                 req.update_finish_state(1)
                 if req.finished():
                     self._release(req, checkpoint=True)
-        self.items[at] = ProcessObs(step, discarded=tuple(discarded))
+        self.items[at] = ProcessObs(step, tuple(accepted), tuple(discarded))
+
+    def _resolve_verify(self, batch, accept: dict[str, int]) -> list[list[int]]:
+        """The verify result a worker hands back (``GenerationBatchResult``:
+        ``accept_lens`` = accepted drafts + 1 per request, ``K + 1`` token slots
+        each), settled by SGLang's ``_resolve_spec_v2_tokens``; its metrics,
+        adaptive-controller and grammar hooks are no-ops (no grammar here)."""
+        import types
+
+        from sglang.srt.managers.scheduler_components.batch_result_processor import (
+            SchedulerBatchResultProcessor,
+        )
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        torch, K = self.torch, self.K
+        n = len(batch.reqs)
+        result = GenerationBatchResult(
+            next_token_ids=torch.full((n * (K + 1),), SAMPLED, dtype=torch.int64),
+            accept_lens=torch.tensor([accept[r.rid] + 1 for r in batch.reqs],
+                                     dtype=torch.int32),
+            speculative_num_draft_tokens=K + 1)
+        nop = types.SimpleNamespace
+        host = nop(metrics_reporter=nop(snapshot_spec_decode_metrics=lambda b, r: None),
+                   model_worker=nop(on_verify_complete_cpu=lambda c, batch_size: None),
+                   advance_grammar_fsm=lambda r, b: None)
+        return SchedulerBatchResultProcessor._resolve_spec_v2_tokens(host, result, batch)
 
     def _release(self, req, checkpoint: bool) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
@@ -588,7 +678,8 @@ class Driver:
         B = cfg.block_size
         # the allocator's free pages and those only the tree keeps (evictable)
         free = self.pool.available_size() // B + len(self.parked)
-        bound = -(-cfg.max_model_len // B)
+        # the pages a req_to_token row of SGLang's width holds
+        bound = -(-(cfg.max_model_len + self.extra) // B)
         return Counters(free, cfg.num_blocks, out, (bound,))
 
 
@@ -598,12 +689,13 @@ def unsupported(cfg: Config) -> str | None:
                 f"pools only (full, sliding)")
     if cfg.groups[0].block_size not in (0, cfg.block_size):
         return "one block size per config"
-    if cfg.spec_tokens:
-        return ("speculative decoding is not driven (spec_tokens 0): SGLang's draft "
-                "workers need a model")
+    if cfg.spec_tokens and cfg.drafter != "ngram":
+        return (f"drafter {cfg.drafter}: SGLang's drafts are driven as its NGRAM chain "
+                f"(no draft KV of its own); EAGLE's draft-model KV pool is not (drafter ngram)")
     if cfg.depth > 2:
         return (f"depth {cfg.depth}: SGLang runs one batch in flight (overlap scheduler, "
-                f"depth 2) or none (depth 1)")
+                f"depth 2) or none (depth 1); its PP loop's micro-batches hold disjoint "
+                f"requests")
     B = cfg.block_size
     if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
         # the sliding layout's full-attention pool has the SWA pool's size

@@ -18,8 +18,10 @@ What runs
   SWA): enabled with prefix caching, disabled without (``disable=True``, what
   ``--disable-radix-cache`` builds).
 * depth 2 is the overlap scheduler (``event_loop_overlap``, ``enable_overlap``
-  on the batches), depth 1 the normal loop; deeper is refused (one line, exit
-  2), and so are spec tokens and other kinds. Configs are ``stream_ordered``
+  on the batches: one batch in flight when the next is scheduled), depth 1
+  the normal loop; deeper is refused (one line, exit 2: SGLang's PP loop keeps
+  micro-batches of disjoint requests in flight, not kvcheck's depth), and so
+  are drafters other than ``ngram`` and other kinds. Configs are ``stream_ordered``
   (one forward stream, ``_apply_war_barrier``); hazard ``unordered`` stands
   for a loader writing a page the moment it is free (HiCache without its
   ``load_fence_stream``; HiCache itself is not driven).
@@ -41,6 +43,23 @@ How an event runs
   under pool pressure, ``prepare_for_decode``. SWA eviction
   (``maybe_evict_swa`` -> ``free_swa_out_of_window_slots``) runs inside
   ``prepare_for_*`` as in SGLang.
+* Drafts (``spec_tokens`` K, drafter ``ngram``): SGLang's NGRAM algorithm as
+  a chain (``speculative_ngram_max_bfs_breadth`` 1, topk 1, K + 1 draft
+  tokens), batches built with it, so ``prepare_for_decode`` is SGLang's
+  ``eagle_prepare_for_decode``: ``maybe_evict_swa`` on ``req.seqlen - 1``
+  (``kv_committed_len``), then ``alloc_for_spec_decode`` over-allocates each
+  row to ``kv_committed_len + 2 (K + 1)`` (page-aligned; its req_to_token
+  write is SGLang's Triton kernel, run by Triton's CPU interpreter). A verify
+  computes the bonus token and K drafts from the device-side committed
+  length: ``kv_committed_len`` plus ``K + 1`` per verify of the request in
+  flight (ReqStep ``spec`` K), which a rejection shifts down. Process of a
+  verify: the worker's result (``GenerationBatchResult``, ``accept_lens`` =
+  the event's accepted drafts + 1) settled by SGLang's
+  ``_resolve_spec_v2_tokens`` (``kv_committed_len += accepted + 1``), the run
+  appended to ``output_ids``, ``update_finish_state(len(run))``; a request a
+  run takes past ``max_new_tokens`` finishes, and ``release_kv_cache`` frees
+  its over-allocated tail (``_release_overallocated_kv_indices``). Rejected
+  slots are never freed before that: the next verify writes over them.
 * Process: the oldest batch's result: one sampled token per request
   (``output_ids``, ``update_finish_state``), a finished request released
   (``release_kv_cache``), a finished prefill checkpointed; middle chunks only
@@ -64,10 +83,13 @@ Observations: FreeObs where the reported allocator takes pages back (its
 free calls wrapped; ``dedup`` inside the tree's ``insert``) for each request
 whose row names the page, and where a released row leaves a page with the
 tree (a reference dropped); AllocObs and tables from ``req_to_token`` (a page
-another row names or the tree kept: ``cached``, a prefix hit), counters from
-the requests (``computed`` the allocated length; no in-flight count:
-``in_flight`` None), free pages: the pool's ``available_size`` plus the
-pages only the tree keeps.
+another row names or the tree kept: ``cached``, a prefix hit; with drafts the
+over-allocated tail too), counters from the requests (``computed`` the
+allocated length; with drafts the committed length plus the verifies in
+flight, checked against SGLang's at each verify; no in-flight count:
+``in_flight`` None; the bound a req_to_token row of SGLang's width holds,
+``get_req_to_token_extra_context_len`` past the context), free pages: the
+pool's ``available_size`` plus the pages only the tree keeps.
 """
 
 from __future__ import annotations
@@ -90,9 +112,10 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
         return _WHY.format(v=version, what=what)
 
     pins = (
-        ("spec_tokens", 0, why("speculative decoding is not driven (SGLang's draft workers "
-                               "need a model); use --spec-tokens 0")),
         ("stream_ordered", True, why("one ordered forward stream runs every batch")),
+        ("drafter", "ngram", why("drafts are driven as SGLang's NGRAM chain (no draft KV "
+                                 "of its own); EAGLE's draft-model KV pool is not: use "
+                                 "--drafter ngram")),
     )
     return {"full": pins, "sliding": pins}
 
@@ -184,7 +207,7 @@ def worker_for(version: str, slot: int = 0):
         if w is None or not w.alive():
             w = _workers[(version, slot)] = WorkerProcess(
                 f"sglang {version}", [str(compat.install_dir(version))],
-                {"SGLANG_SWA_EVICTION_INTERVAL": "1"})
+                {"SGLANG_SWA_EVICTION_INTERVAL": "1", "TRITON_INTERPRET": "1"})
     w.ready(300.0)
     return w
 
