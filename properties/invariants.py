@@ -1358,6 +1358,17 @@ class Checker:
             rid = pp.rs.rid
             if rid in failed:
                 fresh.update(self._invalidate(rid, self.reqs[rid], self.fail_from.pop(rid, None)))
+        # a copy run after this step (a later step's, run when it was scheduled)
+        # took what a spoiled block held: its destination holds no valid KV either
+        # (vLLM's Mamba state at a prompt's last hash boundary keeps its cache
+        # entry there)
+        grown = bool(fresh)
+        while grown:
+            grown = False
+            for c, at in self._copies:
+                if at is not None and at > po.step and c.src in fresh and c.dst not in fresh:
+                    fresh[c.dst] = self.bad[c.dst] = fresh[c.src]
+                    grown = True
         if fresh:  # steps already run or in flight that read them: their output is garbage
             for part in [*row, *(q for step in self.pending for q in step)]:
                 if not part.tainted and (hit := self._bad_read(part.rs, fresh)):

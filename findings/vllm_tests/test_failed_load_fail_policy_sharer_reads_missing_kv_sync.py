@@ -323,6 +323,7 @@ class Replay:
         self.garbage: dict[tuple[int, str], str] = {}  # (step, rid) -> what it read
         self.queued: list[tuple] = []
         self.copies: list[tuple[int, int]] = []  # handed out with steps that ran nothing
+        self.ran: list[tuple[int, int, int]] = []  # (step, src, dst): copies run, in flight
         self.steps = 0
         for kind, param in self.kinds:
             if kind == "sink":
@@ -506,6 +507,7 @@ class Replay:
         for src, dst, held in got:
             for off, h in enumerate(held):
                 self.content[(dst, off)] = h if h is not None else (EMPTY_COPY, n, src)
+        self.ran += [(n, src, dst) for src, dst in copies]
 
     @staticmethod
     def _what(held: Any) -> str:
@@ -611,6 +613,7 @@ class Replay:
         if self.cfg["spec_tokens"]:
             self._outcome(step, accepted, before)
         self._forget_released()
+        self.ran = [r for r in self.ran if r[0] > step.n]
         if self.cfg["depth"] == 1 and self.cfg["spec_tokens"]:
             live = [rid for rid in rids if rid in self.sched.requests
                     and self.reqs[rid].status == RequestStatus.RUNNING]
@@ -850,6 +853,18 @@ class Replay:
                         if self.content.get((tab[i], off), (None,))[0] not in (FAILED,):
                             self.content[(tab[i], off)] = (FAILED, step.n, rid)
                         spoiled.add((tab[i], off))
+        # a copy run after the step (with a later step, before the failure was
+        # known) took what a spoiled block held: Mamba's state at the prompt's last
+        # hash boundary keeps its cache entry in the copy
+        grown = True
+        while grown:
+            grown = False
+            for m, src, dst in self.ran:
+                for off in range(self.B):
+                    if m > step.n and (src, off) in spoiled and (dst, off) not in spoiled:
+                        self.content[(dst, off)] = (FAILED, step.n, rid)
+                        spoiled.add((dst, off))
+                        grown = True
         for other in [step, *self.pending]:
             for p in other.parts.values():
                 hit = sorted({b for b, off in p.reads if (b, off) in spoiled})
