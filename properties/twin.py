@@ -252,30 +252,36 @@ class SGLangRadixRule(SettledRule):
       the request's own frees;
     * *not late*: a step finds every own slot of ``[cpl, (pre - CA) // B)``
       let go of, ``cpl`` taken as the last checkpointed end, page-floored (the
-      prefix hit's length after an admission): an upper bound of SGLang's
-      (an insert that stops short, at a SWA branching point, protects less),
-      so slots between the two are not judged.
+      prefix hit's length after an admission): an upper bound of SGLang's, so
+      slots between the two are not judged. Not judged at the first
+      checkpoint after an admission: a hit whose SWA pages the tree had
+      tombstoned leaves a SWA branching point (``swa_branching_seqlen``), and
+      that insert stops there (``pre = branch - 1``) and protects the rest.
 
     A slot that holds a page the tree bound to the row (a prefix hit, an
     insert's dedup, a SWA page the tree restored below the window) is the
     tree's, never judged late. Not mirrored (so not judged late): when the
-    tree evicts the SWA pages it owns (LRU under pool pressure), and the
-    second free a SWA branch insert
+    tree evicts the SWA pages it owns (LRU under pool pressure), the branch
+    point itself, and the second free a SWA branch insert
     makes (``cleanup_after_caching_req``, ``pre = len(fill_ids) - 1``, one
     token further)."""
 
     def __init__(self, cfg: Config, policy: str) -> None:
         super().__init__(cfg, policy)
         self.protected: dict[str, int] = {}  # rid -> its cache_protected_len, at most
+        self.fresh: set[str] = set()  # admitted, its first checkpoint still to come
 
     def _due(self, g: Group, B: int, r: ReqStep, kind: str, last: str | None) -> range | None:
         if not g.spec.frees_early:
             return range(0)
         if last is None:  # admitted (again): the tree owns the hit, nothing is its own yet
             return range(0)
+        decode = kind == "decode" and last == "decode"
+        if not decode and r.rid in self.fresh:
+            return None  # the first checkpoint may stop at the hit's SWA branching point
         # the eviction behind this step: a decode's own, else the checkpoint of
         # the step before it (processed, or stashed at this schedule)
-        pre = r.start if kind == "decode" and last == "decode" else r.start - 1
+        pre = r.start if decode else r.start - 1
         ca = -(-max(g.param, B) // B) * B
         lo = self.protected.get(r.rid, 0) // B
         return range(lo, max(lo, (pre - ca) // B))
@@ -284,8 +290,10 @@ class SGLangRadixRule(SettledRule):
         B = self.groups[0][2]
         if last is None:
             self.protected[r.rid] = r.start  # the hit: page-aligned
+            self.fresh.add(r.rid)
         elif not (kind == "decode" and last == "decode"):
             self.protected[r.rid] = r.start // B * B  # the step before was checkpointed
+            self.fresh.discard(r.rid)
 
     def _kept(self, rid: str, group: int, slot: int) -> bool:
         return (rid, group, slot) in self.hits  # a page the tree owns and bound to the row
