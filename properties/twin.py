@@ -137,6 +137,9 @@ class SettledRule:
         """A slot the target keeps by design, never judged late."""
         return False
 
+    def _scheduled(self, step: StepObs) -> None:
+        """After every request of ``step`` was judged."""
+
     def _why(self, r: ReqStep) -> str:
         return f"no position >= {r.start} reads it"
 
@@ -213,6 +216,7 @@ class SettledRule:
                                f"{held[0]} (group {gi}, block {block}), which the settled "
                                f"rule lets go of before that step ({self._why(r)})",
                             step=it.step, rid=r.rid, block=block, event_index=event_index)
+            self._scheduled(it)
         if obs.counters is not None:
             for rid, rc in obs.counters.reqs.items():
                 if rc.status == "finished":
@@ -254,7 +258,8 @@ class SGLangRadixRule(SettledRule):
       let go of, ``cpl`` taken as the last checkpointed end, page-floored (the
       prefix hit's length after an admission): an upper bound of SGLang's, so
       slots between the two are not judged. Not judged at the first
-      checkpoint after an admission: a hit whose SWA pages the tree had
+      checkpoint after an admission once the tree may hold KV (a step ran
+      before it): a full-attention match past the SWA pages the tree
       tombstoned leaves a SWA branching point (``swa_branching_seqlen``), and
       that insert stops there (``pre = branch - 1``) and protects the rest.
 
@@ -270,6 +275,7 @@ class SGLangRadixRule(SettledRule):
         super().__init__(cfg, policy)
         self.protected: dict[str, int] = {}  # rid -> its cache_protected_len, at most
         self.fresh: set[str] = set()  # admitted, its first checkpoint still to come
+        self.tree_filled = False  # a step ran before: the tree may hold its KV
 
     def _due(self, g: Group, B: int, r: ReqStep, kind: str, last: str | None) -> range | None:
         if not g.spec.frees_early:
@@ -290,10 +296,14 @@ class SGLangRadixRule(SettledRule):
         B = self.groups[0][2]
         if last is None:
             self.protected[r.rid] = r.start  # the hit: page-aligned
-            self.fresh.add(r.rid)
+            if self.tree_filled:  # the tree may hold a longer full-attention match
+                self.fresh.add(r.rid)
         elif not (kind == "decode" and last == "decode"):
             self.protected[r.rid] = r.start // B * B  # the step before was checkpointed
             self.fresh.discard(r.rid)
+
+    def _scheduled(self, step: StepObs) -> None:
+        self.tree_filled = True
 
     def _kept(self, rid: str, group: int, slot: int) -> bool:
         return (rid, group, slot) in self.hits  # a page the tree owns and bound to the row
