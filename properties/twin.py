@@ -240,9 +240,10 @@ class SGLangRadixRule(SettledRule):
     (``free_swa_out_of_window_slots``: ``pre - ceil_align(max(W, B), B)``,
     floored to a page)::
 
-        W = 3, B = 2, pre = 11   [ 0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 ]
-                                   tree-owned  own,freed  kept: 4 (W rounded up)
-                                 cpl = 4       (11 - 4) // 2 = 3 slots below
+        W = 3, B = 2, cpl = 4, pre = 11: CA = ceil_align(max(3, 2), 2) = 4
+        slots      [ 0 | 1 | 2 | 3 | 4 | 5 ]      (11 - 4) // 2 = 3
+                     tree's  own   own, kept (positions >= 6)
+                             freed
 
     at the checkpoint of each processed prefill chunk (``checkpoint_into_tree``,
     ``pre = end - 1``; then ``cpl`` moves to the chunk's end, page-floored) and
