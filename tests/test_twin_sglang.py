@@ -88,6 +88,47 @@ def test_the_radix_tree_at_depth_one_is_judged_and_a_slip_there_is_caught():
     assert safe["violation"] is None and not safe["vacuous"], safe
 
 
+def test_the_radix_rule_judges_own_slots_below_the_page_rounded_window():
+    """``SGLangRadixRule`` over observations alone (W = 3, B = 2): the
+    checkpoint of an 8-token prompt (``pre = 7``) frees own slots below
+    ``(7 - ceil_align(3, 2)) // 2 = 1``; the first decode finds slot 0 gone
+    (else late), and a free past the settled window is early."""
+    from model.events import AddRequest, Process, Schedule, config_for
+    from model.observations import (
+        AllocObs,
+        Counters,
+        FreeObs,
+        Observed,
+        ProcessObs,
+        ReqCounters,
+        ReqStep,
+        StepObs,
+    )
+    from properties.invariants import Checker
+    from properties.twin import SGLangRadixRule
+
+    cfg = config_for("sliding", window=3, block_size=2, num_blocks=40, depth=1,
+                     max_model_len=32)
+
+    def run(freed: list[int]):
+        rule, checker = SGLangRadixRule(cfg, "sglang"), Checker(cfg)
+        evs = [(AddRequest("a", 8, 4), Observed([])),
+               (Schedule(), Observed([*(AllocObs(i + 1, 0, "a", i) for i in range(4)),
+                                      StepObs(0, (ReqStep("a", 0, 8),))],
+                                     Counters(35, 40, {"a": ReqCounters(8, None, (4,))}))),
+               (Process(), Observed([ProcessObs(0),
+                                     *(FreeObs(i + 1, 0, "a", i, "window") for i in freed)])),
+               (Schedule(), Observed([AllocObs(5, 0, "a", 4),
+                                      StepObs(1, (ReqStep("a", 8, 9),))]))]
+        return [rule.check(ev, o, checker, k) for k, (ev, o) in enumerate(evs)]
+
+    assert run([0]) == [None] * 4
+    late = run([])[-1]
+    assert late is not None and late.prop == 6 and "SGLang's radix rule" in late.message, late
+    early = run([0, 1, 2])[2]
+    assert early is not None and early.prop == 6 and "logical block 2" in early.message, early
+
+
 def _apply_slip(slip: str) -> None:
     """Recompile the slip's function from its source with the slip."""
     import importlib
