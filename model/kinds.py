@@ -83,6 +83,9 @@ class Kind:
     sub_block_lookup: ClassVar[bool] = False
 
     retained: int = 0  # tokens kept below the window (sliding only; vLLM's extra_retained_tokens)
+    # tokens vLLM's manager frees behind :meth:`freeable` on the same count
+    # (R-SWA: its gap ends at ``n - R``, one token short of the window)
+    vllm_frees_behind: ClassVar[int] = 0
     # vLLM's planner gives its layers a drafter's retained tokens (SlidingWindowSpec)
     retains_tokens: ClassVar[bool] = False
 
@@ -421,6 +424,7 @@ class RSWA(Kind):
     vllm_manager = "RSWAManager"
     sub_block_lookup = True
     vllm_spec, vllm_param = "RSWASpec", "rswa_window"
+    vllm_frees_behind = 1
     # R-SWA frees only once the outputs run R tokens past the prompt: short
     # windows, longer generations
     fuzz_window_blocks = 1

@@ -97,14 +97,16 @@ WITNESSES = {
     "drained": "an example ended with every request run to completion (property 7)",
     "twin_compared": "an event compared with a settled twin at depth 1 (property 6)",
     "twin_parted": "an example where a vLLM target and its reference twin scheduled different "
-                   "steps, or the twin could not take an event: property 6 compared the "
+                   "steps, or the twin could not take an event: the twin compared the "
                    "events before it only",
-    "twin_rule": "an event of a depth-1 fixed-policy target with no reference twin (vLLM's "
-                 "Mamba, EAGLE, MTP; SGLang) whose steps or frees were compared with the "
-                 "settled freeing rule (property 6)",
+    "twin_rule_after_part": "an example whose reference twin parted and whose later events "
+                            "the settled rule, run beside the twin from the first event, "
+                            "judged to the example's end (property 6)",
+    "twin_rule": "an event of a depth-1 fixed-policy target whose steps or frees were "
+                 "compared with the settled freeing rule (property 6; beside vLLM's reference "
+                 "twin, or alone: vLLM's Mamba, EAGLE, MTP; SGLang, its radix tree too)",
     "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: "
-                 "SGLang's full attention, which lets go of nothing before a request ends, or "
-                 "its radix tree, whose window the settled rule does not mirror)",
+                 "SGLang's full attention, which lets go of nothing before a request ends)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",

@@ -585,6 +585,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "with nothing in flight (every schedule of the sync Scheduler) allocate_slots frees on "
         "the count one block back: window frees one block late, safe, sync behaviour only",
         ("--kind", "sliding", "--depth", "1"), frozenset({6})),
+    # the same slip with prefix caching only, where 0.33.0's retention parts
+    # the reference twin in many examples: the settled rule beside the twin
+    # judges the events after a part (tests/test_twin_vllm.py)
+    Mutant(
+        "sync-cached-window-free-one-block-late", CORE + "kv_cache_manager.py",
+        "max(0, total_computed_tokens - request.num_in_flight_tokens),",
+        "max(0, total_computed_tokens - (request.num_in_flight_tokens\n"
+        "                                            or (self.coordinator.scheduler_block_size\n"
+        "                                                if self.enable_caching else 0))),",
+        "with prefix caching on and nothing in flight allocate_slots frees on the count one "
+        "block back: window frees one block late, safe, sync behaviour only",
+        ("--kind", "sliding", "--depth", "1", *_PC), frozenset({6})),
     # the same slip where no reference twin runs: Mamba's align mode (prefix
     # caching on), judged by the settled rule over vLLM's own steps
     Mutant(

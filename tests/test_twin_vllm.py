@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from impl.target import fit_spec, make_target
-from model.events import AddRequest, Finish, Process, Schedule, config_for
+from model.events import AddRequest, Finish, Process, Schedule, Trace, config_for
 from properties.invariants import Checker
 from properties.machine import FuzzSpec, fuzz
 from properties.replay import replay
@@ -86,6 +86,33 @@ def test_a_sync_only_slip_in_vllm_is_caught_by_property_6(tmp_path):
         safe = _fuzz(bad, 150, 1, kind="sliding", depth=1, fail_loads=False,
                      props=frozenset({1, 2, 3, 4, 5, 7}))
         assert safe.violation is None and not safe.vacuous, (safe.violation, safe.vacuous)
+    finally:
+        bad.close()
+
+
+def test_after_the_twin_parts_the_settled_rule_judges_the_rest(tmp_path):
+    """0.33.0 keeps sliding-window blocks cached at its retention checkpoints
+    only, so with prefix caching its hits differ from the reference's and the
+    twin parts (here at event 18, a hit of other length); the settled rule,
+    run beside the twin from the first event, judges the rest. A slip that
+    frees one block late with prefix caching on only
+    (``sync-cached-window-free-one-block-late``) is caught there, after the
+    part; the unmodified release is silent."""
+    trace = Trace.load(ROOT / "traces" / "vllm" / "twin-parts-then-rule-judges-0.33.0.json")
+    good = replay(trace, vllm_target("0.33.0"))
+    assert good.crash is None and good.first is None, good.crash or good.first
+    assert good.witness["twin_parted"] == 1 and good.witness["twin_rule_after_part"] == 1
+    m = next(x for x in mutants.MUTANTS if x.name == "sync-cached-window-free-one-block-late")
+    bad = make_target(f"vllm@{mutants.mutant_tree(m, tmp_path / 'tree')}")
+    try:
+        twin, checker, found = _run(bad, trace.config, trace.events)
+        assert twin.parted and "steps differ" in twin.parted, twin.parted
+        assert found and found[0].prop == 6, found
+        assert "the settled rule lets go of" in found[0].message, found[0]
+        # the twin had parted before: only the rule could judge this event
+        assert found[0].event_index > checker.witness["twin_compared"] - 1, found[0]
+        again = replay(trace, bad)
+        assert again.first is not None and again.first.prop == 6, again.first
     finally:
         bad.close()
 
