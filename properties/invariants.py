@@ -105,8 +105,6 @@ WITNESSES = {
     "twin_rule": "an event of a depth-1 fixed-policy target whose steps or frees were "
                  "compared with the settled freeing rule (property 6; beside vLLM's reference "
                  "twin, or alone: vLLM's Mamba, EAGLE, MTP; SGLang, its radix tree too)",
-    "twin_none": "a depth-1 example with no settled twin (property 6 not checked in it: "
-                 "SGLang's full attention, which lets go of nothing before a request ends)",
     "kept_in_flight": "a step read a ring's or the encoder's blocks past its request's "
                       "first block with another of its steps in flight (what a window "
                       "manager would have freed there)",

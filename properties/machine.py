@@ -436,8 +436,6 @@ class KVMachine(RuleBasedStateMachine):
         self.twin = Twin(cls.target, cfg) if 6 in self.spec.props else None
         if self.twin is not None and self.twin.witness:
             cls.stats.expected.add(self.twin.witness)
-        if self.twin is not None:
-            self.twin.note(self.checker)
         if cls.on_example is not None:
             cls.on_example("setup", self)
 

@@ -59,7 +59,6 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
     checker = Checker(trace.config)
     checker.feed(None, tgt.reset(trace.config))
     twin = Twin(tgt, trace.config)
-    twin.note(checker)
 
     def judged(e: Event, o: Observed) -> list[Violation]:
         vs = checker.feed(e, o)

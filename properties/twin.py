@@ -34,8 +34,8 @@ same config under ``settled``, and the first difference is the violation:
   EAGLE / MTP drafter; ``sglang@VERSION``): the settled freeing rule over
   the target's own steps alone (witness ``twin_rule``), on SGLang's radix
   tree (prefix caching on) :class:`SGLangRadixRule`, its page-rounded window
-  over the slots the tree does not own. No twin (witness ``twin_none``)
-  where SGLang's full attention lets go of nothing before a request ends.
+  over the slots the tree does not own; where a kind lets go of nothing
+  before a request ends (SGLang's full attention), no window free at all.
 
 Measured with ``scripts/diff_sweep.py --depth 1 --compare letgo`` (README,
 property 6: 1,272 traces, 47,335 events compared): on unmodified vLLM 0.25.1
@@ -323,7 +323,6 @@ class Twin:
         self.target: Target | None = None
         self.rule: SettledRule | None = None
         self.parted: str | None = None  # why a reference twin of a vLLM stopped
-        self.none = False  # depth 1, and no twin models this config exactly
         # the witness a run of this config must reach (None: no twin)
         self.witness: str | None = None
         tc = twin_config(cfg, fixed)
@@ -341,18 +340,11 @@ class Twin:
                 self.target = None
         if fixed is None or cfg.depth != 1:
             return
-        if any(g.spec.frees_early for g in cfg.groups):
-            # SGLang's radix tree: a page-rounded window, the pages the tree owns kept
-            radix = fixed == "sglang" and cfg.prefix_caching
-            self.rule = (SGLangRadixRule if radix else SettledRule)(cfg, fixed)
-            self.witness = "twin_rule"
-        else:
-            self.none = True
-
-    def note(self, checker: Checker) -> None:
-        """Count a depth-1 example without a twin (call once per example)."""
-        if self.none:
-            checker.witness["twin_none"] += 1
+        # SGLang's radix tree: a page-rounded window, the pages the tree owns kept;
+        # a kind that frees nothing early (full attention): no window free at all
+        radix = fixed == "sglang" and cfg.prefix_caching
+        self.rule = (SGLangRadixRule if radix else SettledRule)(cfg, fixed)
+        self.witness = "twin_rule"
 
     def check(self, ev: Event, obs: Observed, checker: Checker,
               event_index: int) -> Violation | None:
