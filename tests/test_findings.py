@@ -247,9 +247,11 @@ def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
         rr = replay(chunked, _target(target))
         assert rr.crash is None and rr.first is None, (target, rr.crash or rr.first)
         assert rr.witness.get("state_block_moved") == 1, (target, rr.witness)
-    # the combined tree keeps finding 8's fix (a failed load on a hybrid survives)
+    # the combined tree keeps finding 8's first hybrid recovery (a failed load on a
+    # hybrid survives); the chosen fix evicts copied states too
     crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
     rr, err = _run(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json",
                    f"vllm@0.33.0+{F10_LOADS}")
     assert err is None and rr.crash is None and rr.first is None, err or rr.crash or rr.first
-    assert crash.meta["fixed_by"] == "findings/fixes/failed-load-recovery-hybrid.diff"
+    assert crash.meta["fixed_by"] == (
+        "findings/fixes/failed-load-recovery-hybrid-evicts-copied-states.diff")

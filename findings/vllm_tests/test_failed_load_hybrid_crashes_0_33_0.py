@@ -1,7 +1,8 @@
 """failed-load-hybrid-crashes-0.33.0: a kvcheck trace replayed on vLLM's scheduler.
 
 Shows on vllm@0.33.0: target crash: A KV connector reported block-level load failures
-Passes with findings/fixes/failed-load-recovery-hybrid.diff applied.
+Passes with findings/fixes/failed-load-recovery-hybrid-evicts-copied-states.diff
+applied.
 
 Config: full+sliding(W=4) B=16 blocks=24 depth=2 spec=0 policy=settled hazard=unordered
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs
