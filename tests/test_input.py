@@ -381,8 +381,9 @@ def test_every_environment_variable_the_cli_reads_is_validated():
     read -= {"KVCHECK_ROOT", "KVCHECK_TARGET", "KVCHECK_POLICY"}  # the reproducer's, in its text
     # set by kvcheck for its own worker processes (impl/worker.py), never by a user
     read -= {"KVCHECK_WORKER_SETUP", "KVCHECK_WORKER_VLLM", "KVCHECK_FLIGHT"}
-    # set by kvcheck for SGLang in its own worker (impl/sglang/driver.py), never read
-    read -= {"SGLANG_SWA_EVICTION_INTERVAL"}
+    # set by kvcheck for SGLang and Triton's interpreter in its own worker
+    # (impl/sglang/driver.py), never read
+    read -= {"SGLANG_SWA_EVICTION_INTERVAL", "TRITON_INTERPRET"}
     assert read <= {"KVCHECK_REDIS_URL", "KVCHECK_VLLM_START_TIMEOUT", "KVCHECK_HANG_TIMEOUT"}, read
 
 
