@@ -13,13 +13,21 @@ reference's) through :func:`run_rows` with a longer budget.
 A counterexample that is one of the known findings (``findings/*.json``) is
 listed as known, not as a failure: its property and the text ``meta.expect``
 (or the crash text ``meta.crash``) match, the counterexample holds every event
-type of the finding's trace, its groups include the finding's kinds and its
-drafter is the finding's. Anything else (a violation, a crash, a row that
-never reached a situation its configs can produce) fails the gate.
+type of the finding's trace, its groups include the finding's kinds, and its
+drafter and load-failure policy are the finding's (in a crash's text a number
+stands for any number). A counterexample with a finding's property and text
+but another shape (another kind, other events) is known when it holds on that
+finding's fix (``meta.fixed_by``, replayed beside ``TARGET+FIX.diff``, only on
+the release the finding was found on): "known: NAME (gone on its fix)".
+Anything else (a violation, a crash, a row that never reached a situation its
+configs can produce) fails the gate.
 
 Each row is one Hypothesis run in a worker beside the target
 (:func:`properties.jobs.fuzz_job`), given the time left divided among the rows
-left, so rows that end early (a known finding) leave their time to the rest.
+left, so rows that end early (a known finding) leave their time to the rest; a
+failure is shrunk by Hypothesis for about a row's share at most (then by
+properties/minimize.py), so a row that fails does not eat the time of those
+after it.
 Exit status: 0 every row holds or is known, 1 a new violation or a vacuous
 row, 2 bad input, 3 the target failed (a crash no finding explains, or the
 target cannot be loaded).
@@ -28,6 +36,7 @@ target cannot be loaded).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import traceback
@@ -126,6 +135,19 @@ class Finding:
     events: frozenset[str]
     kinds: frozenset[str]
     drafter: str
+    load_failure: str = "recompute"  # Config.kv_load_failure_policy of its trace
+    target: str = ""  # the release it was found on (meta.target)
+    fixed_by: str | None = None  # its fix, a diff for that release (meta.fixed_by)
+
+    def says(self, message: str) -> bool:
+        """Whether ``message`` carries this finding's text; in a crash's text
+        each number stands for any number ("Cannot get 1 free blocks from the
+        pool" says "Cannot get 3 free blocks from the pool"). A violation's
+        text is matched as it is: its numbers name steps and requests."""
+        if self.prop is not None:
+            return self.text in message
+        rx = re.sub(r"\d+", r"\\d+", re.escape(self.text))
+        return re.search(rx, message) is not None
 
 
 def known_findings(folder: Path = FINDINGS) -> list[Finding]:
@@ -141,7 +163,22 @@ def known_findings(folder: Path = FINDINGS) -> list[Finding]:
         out.append(Finding(path.stem, None if crash else int(m.get("prop", 2)),
                            m["crash"] if crash else m["expect"],
                            frozenset(type(e).__name__ for e in t.events),
-                           frozenset(g.kind for g in t.config.groups), t.config.drafter))
+                           frozenset(g.kind for g in t.config.groups), t.config.drafter,
+                           t.config.kv_load_failure_policy, str(m.get("target", "")),
+                           m.get("fixed_by")))
+    return out
+
+
+def _signature_matches(res: Any, findings: list[Finding]) -> list[Finding]:
+    """The findings whose property (or crash) and text the result shows."""
+    out = []
+    for f in findings:
+        if res.crash is not None:
+            if f.prop is None and f.says(res.crash):
+                out.append(f)
+        elif res.violation is not None and f.prop == res.violation.prop \
+                and f.says(res.violation.message):
+            out.append(f)
     return out
 
 
@@ -154,19 +191,36 @@ def classify(res: Any, findings: list[Finding]) -> str | None:
     events = {type(e).__name__ for e in trace.events} if trace else set()
     kinds = {g.kind for g in trace.config.groups} if trace else {res.spec.kind}
     drafter = trace.config.drafter if trace else res.spec.drafter
-    matches = []
-    for f in findings:
-        if res.crash is not None:
-            if f.prop is not None or f.text not in res.crash:
-                continue
-        else:
-            v = res.violation
-            if v is None or f.prop != v.prop or f.text not in v.message:
-                continue
-        if f.events <= events and f.kinds <= kinds and f.drafter == drafter:
-            matches.append(f)
+    load_failure = trace.config.kv_load_failure_policy if trace else res.spec.load_failure
+    matches = [f for f in _signature_matches(res, findings)
+               if f.events <= events and f.kinds <= kinds and f.drafter == drafter
+               and f.load_failure == load_failure]
     # the most specific finding: the one whose trace needs the most event types
     return max(matches, key=lambda f: (len(f.events), len(f.kinds))).name if matches else None
+
+
+def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 0,
+                    replay: Any = None) -> str | None:
+    """A counterexample with a known finding's property and text but not its
+    shape (another kind, other events), on the release that finding was found
+    on: it is that finding when it no longer fails on the finding's fix
+    (``TARGET+FIX.diff``, replayed beside it). None when no fix clears it."""
+    if res.trace is None:
+        return None
+    if replay is None:
+        from properties.jobs import replay_beside
+
+        def replay(trace: Any, fixed: str) -> Any:
+            return replay_beside(trace, fixed, slot=slot)
+    tried: set[str] = set()
+    for f in sorted(_signature_matches(res, findings), key=lambda f: f.name):
+        if f.target != target or not f.fixed_by or f.fixed_by in tried:
+            continue
+        tried.add(f.fixed_by)
+        rr = replay(res.trace, f"{target}+{f.fixed_by}")
+        if rr.crash is None and not rr.violations:
+            return f.name
+    return None
 
 
 # ----------------------------------------------------------------- one row
@@ -223,7 +277,10 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
     fit_spec(row["target"], target.capabilities, spec)
     try:
         res = _call(row["target"], slot, "properties.jobs:fuzz_job",
-                    (spec, 10**7, seed, db_path, max(0.5, seconds)))
+                    # a failure is shrunk for about a row's share at most (then
+                    # properties/minimize.py): the rows after it keep their time
+                    (spec, 10**7, seed, db_path, max(0.5, seconds), 0, True, None,
+                     max(2.0, seconds)))
     except WorkerGone as e:  # it died or hung: the trace from its flight recorder
         from model.events import Trace
 
@@ -238,9 +295,11 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
                examples_to_fail=res.examples_to_fail,
                replayed_from_database=res.replayed_from_database)
     cdir = reports / "counterexamples"
-    known = classify(res, findings)
+    known, how = classify(res, findings), ""
+    if known is None and res.trace is not None:
+        known, how = classify_by_fix(res, findings, row["target"], slot), " (gone on its fix)"
     if known is not None:
-        out.update(ok=True, known=known, verdict=f"known: {known}",
+        out.update(ok=True, known=known, verdict=f"known: {known}{how}",
                    detail=str(res.violation or res.crash.strip().splitlines()[-1]))
         if res.trace is not None:
             out["trace"] = str(res.trace.save(cdir / f"{row['id']}-known.json"))
@@ -255,7 +314,7 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
         v = res.violation
         path = res.trace.save(cdir / f"{row['id']}.json")
         out["trace"] = str(path)
-        rr = replay_beside(res.trace, row["target"])
+        rr = replay_beside(res.trace, row["target"], slot=slot)
         rep = write_report(rr, cdir, path.stem, row["target"])
         out.update(png=str(rep.png) if rep.png else None,
                    reproducer=str(rep.reproducer) if rep.reproducer else None,

@@ -62,10 +62,11 @@ class _Sampler:
 def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
              db_path: str | None = None, seconds: float | None = None,
              attention_every: int = 0, minimize: bool = True,
-             stop_file: str | None = None) -> FuzzResult:
+             stop_file: str | None = None, shrink_seconds: float | None = None) -> FuzzResult:
     """One Hypothesis run beside the target (in a worker); ``seconds``: stop
     starting examples after that long, or once ``stop_file`` exists (a
-    verdict found by then is shrunk)."""
+    verdict found by then is shrunk, for at most ``shrink_seconds`` when
+    given: :func:`properties.machine.fuzz`)."""
     from impl.target import fit_spec, make_target
     from impl.worker import progress
     from properties.machine import fuzz
@@ -100,7 +101,8 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
 
     try:
         res = fuzz(spec, examples=examples, seed=seed, database=db, target=target,
-                   on_example=on_example, minimize_trace=minimize)
+                   on_example=on_example, minimize_trace=minimize,
+                   shrink_seconds=shrink_seconds)
     finally:
         close = getattr(target, "close", None)
         if close is not None:
@@ -159,15 +161,15 @@ class WorkerGone(TargetCrash):
 
 
 def replay_beside(trace: Trace, target: str, props: frozenset[int] | None = None,
-                  job: str = "properties.jobs:replay_job"):
+                  job: str = "properties.jobs:replay_job", slot: int = 0):
     """:func:`properties.replay.replay` in a worker beside ``target`` (or
     another ``job`` taking the same arguments and returning a ReplayResult,
-    or a tuple that starts with one); a worker that dies is a crash of the
-    replay (its ``ReplayResult.crash``)."""
+    or a tuple that starts with one) in worker ``slot``; a worker that dies is
+    a crash of the replay (its ``ReplayResult.crash``)."""
     from properties.replay import ReplayResult
 
     try:
-        return _call(target, 0, job, (trace, target, props))
+        return _call(target, slot, job, (trace, target, props))
     except WorkerGone as e:
         return ReplayResult(trace, [], [], {}, crash=str(e), props=props)
 

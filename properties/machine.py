@@ -315,6 +315,7 @@ class KVMachine(RuleBasedStateMachine):
         self.twin: Twin | None = None
         self.violation: Violation | None = None  # the one this example failed with
         self.crashed = False  # the target crashed in this example
+        self.crash: TargetCrash | None = None  # how, when it did
         self._accounting: Violation | None = None  # for the invariants to raise
         # what the preconditions ask of the state (_live, _holding, _loading),
         # computed once per state: it changes only where _changed() is called
@@ -342,7 +343,7 @@ class KVMachine(RuleBasedStateMachine):
         try:
             obs = cls.target.apply(ev)
         except TargetCrash as e:
-            self.crashed = True
+            self.crashed, self.crash = True, e
             e.example = (self.cfg, list(self.events))
             raise
         except Exception as e:  # the target itself broke on a valid event
@@ -353,6 +354,7 @@ class KVMachine(RuleBasedStateMachine):
                 f"{cls.target.name} raised {type(e).__name__} on {ev}:\n"
                 + traceback.format_exc())
             crash.example = (self.cfg, list(self.events))
+            self.crash = crash
             raise crash from e
         cls.stats.events[type(ev).__name__] += 1
         if obs.counters is not None:
@@ -651,6 +653,9 @@ class FuzzResult:
     # the counterexample's length as Hypothesis shrank it, before
     # properties/minimize.py (what a run without that pass would report)
     shrunk_events: int | None = None
+    # Hypothesis's shrinking was cut at fuzz(shrink_seconds=...): the
+    # counterexample is the shortest failing one it had run by then
+    shrink_cut: bool = False
 
     @property
     def vacuous(self) -> list[str]:
@@ -713,13 +718,49 @@ class FuzzResult:
             "trace": trace_path,
             "seconds": round(self.seconds, 3),
             "workers": self.workers,
+            "shrink_cut": self.shrink_cut,
         }
+
+
+class _Shortest:
+    """The shortest failing example run so far that fails as the first one
+    did (the same property and name, or a crash), and when the first failed:
+    what :func:`fuzz` reports when it cuts Hypothesis's shrinking short."""
+
+    def __init__(self, seconds: float | None, on_example: Any) -> None:
+        self.seconds, self.on_example = seconds, on_example
+        self.first_at: float | None = None
+        self.sig: tuple | None = None
+        self.best: tuple[Config, list[Event], Violation | None, TargetCrash | None] | None = None
+
+    def __call__(self, phase: str, machine: KVMachine) -> None:
+        import time
+
+        if (phase == "setup" and self.first_at is not None and self.seconds is not None
+                and time.perf_counter() - self.first_at > self.seconds):
+            raise StopRun  # at an example's start: the shortest one so far stands
+        if self.on_example is not None:
+            self.on_example(phase, machine)
+        if phase != "teardown" or machine.cfg is None:
+            return
+        v, crash = machine.violation, machine.crash if machine.crashed else None
+        if v is None and crash is None:
+            return
+        sig = ("crash",) if crash is not None else (v.prop, v.name)
+        if self.sig is None:
+            self.sig, self.first_at = sig, time.perf_counter()
+        if sig == self.sig and (self.best is None or len(machine.events) < len(self.best[1])):
+            self.best = (machine.cfg, list(machine.events), v, crash)
 
 
 def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
          database: Any = None, target: Target | None = None,
-         on_example: Any = None, minimize_trace: bool = True) -> FuzzResult:
-    """Run the state machine; returns the verdict with the shrunk trace if any."""
+         on_example: Any = None, minimize_trace: bool = True,
+         shrink_seconds: float | None = None) -> FuzzResult:
+    """Run the state machine; returns the verdict with the shrunk trace if any.
+    ``shrink_seconds``: once an example fails, let Hypothesis shrink for about
+    that long, then keep the shortest example failing the same way it ran
+    (``FuzzResult.shrink_cut``; properties/minimize.py still runs on it)."""
     import time
 
     target = target or make_target(spec.target)
@@ -727,8 +768,8 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     if spec.kind == "hybrid" and spec.external and survives is not None:
         spec.mamba_loads = survives(spec.load_failure)
     cls = make_machine(spec, target)
-    if on_example is not None:
-        cls.on_example = staticmethod(on_example)
+    shortest = _Shortest(shrink_seconds, on_example)
+    cls.on_example = staticmethod(shortest)
     if seed is not None:
         cls = with_seed(seed)(cls)
     s = settings(
@@ -748,7 +789,15 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     try:
         run_state_machine_as_test(cls, settings=s)
     except StopRun:
-        result.stopped = True
+        if shortest.best is None:
+            result.stopped = True
+        else:  # shrinking cut short: the shortest failing example it ran
+            config, events, v, crash = shortest.best
+            example, result.shrink_cut = (config, events), True
+            if crash is not None:
+                result.crash = str(crash)
+            else:
+                result.violation = v
     except PropertyFailed as e:
         result.violation = e.violation
         example = (e.config, e.events)

@@ -43,3 +43,22 @@ def test_fail_load_rule_only_where_loads_can_fail():
         assert not hasattr(cls, "fail_load")
     res = fuzz(FuzzSpec(kind="full", hazard="unordered", depth=2), examples=150, seed=2)
     assert res.stats.events[FailLoad.__name__] > 0, res.stats.events
+
+
+def test_shrinking_cut_short_keeps_the_shortest_failing_example():
+    """``fuzz(shrink_seconds=0)`` stops Hypothesis at the first example after
+    the first failure: the result is the shortest example failing the same way
+    it ran by then (no longer than the unshrunk run's), flagged ``shrink_cut``,
+    and its trace replays to that violation; without the cut it is not flagged."""
+    from properties.replay import replay
+
+    spec = FuzzSpec(kind="sliding", policy="optimistic", hazard="unordered", depth=2)
+    cut = fuzz(spec, examples=200, seed=1, shrink_seconds=0.0, minimize_trace=False)
+    full = fuzz(spec, examples=200, seed=1, minimize_trace=False)
+    assert cut.violation is not None and full.violation is not None
+    assert cut.shrink_cut and not full.shrink_cut and not cut.stopped
+    assert cut.violation.prop == full.violation.prop
+    assert len(full.trace.events) <= len(cut.trace.events)
+    rr = replay(cut.trace, "reference")
+    assert rr.first is not None and rr.first.prop == cut.violation.prop
+    assert cut.to_json()["shrink_cut"] is True

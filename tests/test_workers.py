@@ -153,3 +153,58 @@ def test_gate_matrix_and_known_findings():
     assert classify(res, findings) is None
     assert exit_status([{"exit": 0}, {"exit": 1}]) == 1
     assert exit_status([{"exit": 1}, {"exit": 3}]) == 3 and exit_status([{"exit": 0}]) == 0
+
+
+def test_gate_finding_text_and_load_failure_policy():
+    from cli.gate import classify, known_findings
+    from model.events import Trace
+    from properties.invariants import Violation
+    from properties.machine import FuzzResult, RunStats
+
+    findings = {f.name: f for f in known_findings()}
+    short = findings["mamba-align-load-admits-one-block-short"]
+    # a crash's numbers stand for any number; a violation's are matched as written
+    assert short.says("ValueError: Cannot get 3 free blocks from the pool")
+    assert not short.says("ValueError: Cannot get free blocks from the pool")
+    sync = findings["failed-load-fail-policy-sharer-reads-missing-kv-sync"]
+    assert sync.load_failure == "fail" and sync.says("the output of step 0 for r1 counts")
+    assert not sync.says("the output of step 1 for r1 counts")
+    # the same text under the recompute policy is not the fail-policy finding
+    t = Trace.load(ROOT / "findings" / f"{sync.name}.json")
+    v = Violation(2, "... the output of step 0 for r1 counts, but the step read ...")
+    res = FuzzResult(None, RunStats(), violation=v, trace=t)
+    assert classify(res, list(findings.values())) == sync.name
+    from dataclasses import replace
+    res.trace = Trace(replace(t.config, kv_load_failure_policy="recompute"), t.events)
+    assert classify(res, list(findings.values())) != sync.name
+
+
+def test_gate_known_by_the_findings_fix():
+    """Finding failed-load-in-flight-output-delivered was found on full
+    attention; the gate's counterexample on sliding has its text but not its
+    kind. It is known because it holds on that finding's fix, replayed beside
+    the patched tree; a fix that does not clear it leaves it new."""
+    from cli.gate import classify, classify_by_fix, known_findings
+    from model.events import Trace
+    from properties.jobs import replay_beside
+    from properties.machine import FuzzResult, RunStats
+
+    findings = known_findings()
+    t = Trace.load(ROOT / "traces" / "vllm" / "failed-load-in-flight-output-sliding-0.33.0.json")
+    rr = replay_beside(t, "vllm@0.33.0")
+    assert rr.first is not None and rr.first.prop == 2, rr.crash
+    res = FuzzResult(None, RunStats(), violation=rr.first, trace=t)
+    assert classify(res, findings) is None  # not its shape: full attention only
+    assert classify_by_fix(res, findings, "vllm@0.33.0") == \
+        "failed-load-in-flight-output-delivered"
+    tried = []
+
+    def still_fails(trace, fixed):
+        tried.append(fixed)
+        return rr
+
+    assert classify_by_fix(res, findings, "vllm@0.33.0", replay=still_fails) is None
+    assert tried and all(x.startswith("vllm@0.33.0+findings/fixes/") for x in tried)
+    # on another tree than the finding's release no fix is tried
+    assert classify_by_fix(res, findings, "vllm@/some/checkout", replay=still_fails) is None
+    assert len(tried) == len(set(tried))
