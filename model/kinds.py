@@ -86,6 +86,11 @@ class Kind:
     # tokens vLLM's manager frees behind :meth:`freeable` on the same count
     # (R-SWA: its gap ends at ``n - R``, one token short of the window)
     vllm_frees_behind: ClassVar[int] = 0
+    # vLLM's manager takes a prefix hit's blocks whole, window or not (the
+    # full-attention lookup), after it let go of the request's skipped blocks
+    # for that step: a hit block the rule lets go of is let go at the
+    # request's next step (R-SWA's gap, on a preempted request's resumption)
+    vllm_hit_keeps_gap: ClassVar[bool] = False
     # vLLM's planner gives its layers a drafter's retained tokens (SlidingWindowSpec)
     retains_tokens: ClassVar[bool] = False
 
@@ -425,6 +430,7 @@ class RSWA(Kind):
     sub_block_lookup = True
     vllm_spec, vllm_param = "RSWASpec", "rswa_window"
     vllm_frees_behind = 1
+    vllm_hit_keeps_gap = True  # RSWAManager inherits FullAttentionManager's lookup
     # R-SWA frees only once the outputs run R tokens past the prompt: short
     # windows, longer generations
     fuzz_window_blocks = 1

@@ -91,7 +91,11 @@ class SettledRule:
     ``seqlen - 1 - W``; against plain ``settled`` it frees one token later
     by design, docs/ENGINES.md). vLLM's R-SWA gap ends at ``n - R``
     (``RSWAManager.remove_skipped_blocks``), one token short of the window, by
-    design: its count is ``n - 1`` there (``Kind.vllm_frees_behind``). Beside
+    design: its count is ``n - 1`` there (``Kind.vllm_frees_behind``); and
+    it takes a prefix hit's blocks whole, after letting go of the request's
+    skipped blocks, so a resumed request holds the gap blocks its hit brought
+    back until its next step (``Kind.vllm_hit_keeps_gap``: judged from then).
+    Beside
     a vLLM reference twin the rule is exact on every event vLLM 0.25.1 and
     0.33.0 take at depth 1 (README, property 6: prefix caching with its
     retention checkpoints, 0.25.1's padding, drafts, preemption, failed loads
@@ -152,6 +156,7 @@ class SettledRule:
         steps = {r.rid: r for it in obs.items if type(it) is StepObs for r in it.reqs}
         found: Violation | None = None
         compared = False
+        hit_now: set[tuple[str, int, int]] = set()  # slots a prefix hit fills in this event
         for f in obs.items:
             if type(f) is not FreeObs or f.reason != "window" or f.rid in ends:
                 continue
@@ -174,6 +179,7 @@ class SettledRule:
                 self.held.setdefault((it.rid, it.group), set()).add(it.logical)
                 if it.cached:
                     self.hits.add((it.rid, it.group, it.logical))
+                    hit_now.add((it.rid, it.group, it.logical))
                 else:
                     self.hits.discard((it.rid, it.group, it.logical))
             elif t is FreeObs and it.reason != "copy":  # a copy's hold is no slot of it
@@ -205,8 +211,10 @@ class SettledRule:
                         continue
                     compared = True
                     slots = self.held.get((r.rid, gi), set())
+                    late_hit = self.groups[gi][1].spec.vllm_hit_keeps_gap
                     held = sorted(i for i in slots if i in slots_due
-                                  and not self._kept(r.rid, gi, i))
+                                  and not self._kept(r.rid, gi, i)
+                                  and not (late_hit and (r.rid, gi, i) in hit_now))
                     if held and found is None:
                         table = r.tables[gi] if gi < len(r.tables) else ()
                         block = table[held[0]] if held[0] < len(table) else None

@@ -215,3 +215,24 @@ def test_the_settled_rule_judges_both_directions():
     early = run([0, 1])[-1]
     assert early is not None and early.prop == 6 and "lets go of its logical block 1" in \
         early.message, early
+
+
+def test_rswa_resumption_hit_holds_its_gap_until_the_next_step(monkeypatch):
+    """R-SWA's manager takes a prefix hit's blocks whole (FullAttentionManager's
+    lookup) after it let go of the request's skipped blocks for that step, so a
+    preempted request resuming through a hit holds the gap block the hit
+    brought back for one step. The settled rule judges such a slot from the
+    request's next step (``Kind.vllm_hit_keeps_gap``): silent on 0.33.0, and
+    judged at once the same step is a property-6 violation."""
+    from model.kinds import RSWA
+
+    trace = Trace.load(ROOT / "traces" / "vllm" / "rswa-resume-hit-brings-back-gap-0.33.0.json")
+    t = vllm_target("0.33.0")
+    good = replay(trace, t)
+    assert good.crash is None and good.first is None, good.crash or good.first
+    assert good.witness["twin_rule"] > 0
+    monkeypatch.setattr(RSWA, "vllm_hit_keeps_gap", False)
+    bad = replay(trace, t)
+    assert bad.first is not None and bad.first.prop == 6, bad.first
+    assert "still holding its logical block 1" in bad.first.message, bad.first
+    assert bad.first.step == 9 and bad.first.rid == "r0", bad.first
