@@ -22,3 +22,23 @@ def test_a_fenced_victim_frees_nothing_on_0_25_1_and_is_skipped_on_0_33_0():
     assert bad.first is not None and bad.first.prop == 7, bad.first
     assert "frees nothing the scheduler can use" in bad.first.message
     assert replay(t, "vllm@0.33.0").first is None
+
+
+STALE = Path(__file__).resolve().parent.parent / "traces" / "vllm" / \
+    "failed-load-stale-placeholder-runner-samples-0.33.0.json"
+
+
+@pytest.mark.vllm
+def test_the_runner_samples_where_a_failed_load_left_a_stale_placeholder():
+    """After a failed load at depth 3 the recovery keeps the discarded step's
+    output placeholder, so vLLM's scheduler takes the recomputed prompt's last
+    chunk for a prefill chunk (``is_prefill_chunk``); its model runner,
+    aligned to the scheduler's output tokens, reaches the prompt's end and
+    samples there. The driver does what the runner does: the request gets its
+    token and finishes in the closing drain (property 7 holds)."""
+    t = Trace.load(STALE)
+    assert t.config.depth == 3 and [type(e).__name__ for e in t.events][-2:] == \
+        ["FailLoad", "Drain"]
+    rr = replay(t, "vllm@0.33.0")
+    assert rr.crash is None and rr.first is None, rr.crash or rr.first
+    assert rr.witness.get("drained"), rr.witness

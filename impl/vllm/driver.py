@@ -953,7 +953,14 @@ class Driver:
             self.last_tables[rid] = tables
             obs[rid] = ReqStep(rid, end - n, end, len(spec.get(rid, ())), loads.get(rid, 0),
                                tables)
-            samples[rid] = not r.is_prefill_chunk
+            # the model runner samples where the step reaches the tokens it
+            # knows (its seq_len against num_tokens, the scheduler's output
+            # tokens plus those of its steps in flight); the scheduler's
+            # is_prefill_chunk says the same unless a placeholder went stale: a
+            # failed load discards a step's output and keeps its placeholder,
+            # and the runner, aligned to the output tokens, samples anyway
+            samples[rid] = not r.is_prefill_chunk or (
+                end >= r.num_tokens and not any(q.samples.get(rid) for q in self.pending))
         self.pending.append(_Pending(step, out, obs, samples))
         self.items.append(StepObs(step, tuple(obs.values()), tuple(self.step_copies)))
         self.step_copies = []
