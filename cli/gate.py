@@ -27,7 +27,8 @@ Each row is one Hypothesis run in a worker beside the target
 left, so rows that end early (a known finding) leave their time to the rest; a
 failure is shrunk by Hypothesis for about a row's share at most (then by
 properties/minimize.py), so a row that fails does not eat the time of those
-after it.
+after it; a row that has not reached every witness its configs can produce
+by the end of its share goes on for up to twice its share more.
 Exit status: 0 every row holds or is known, 1 a new violation or a vacuous
 row, 2 bad input, 3 the target failed (a crash no finding explains, or the
 target cannot be loaded).
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FINDINGS = ROOT / "findings"
 DEPTHS = (1, 2, 3)
 DRAFTS = 2  # draft tokens of a "drafts on" row
+VACUOUS_GRACE = 2.0  # a vacuous row's extra time, in shares (properties.jobs.fuzz_job)
 KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
          "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
          "steps": int}
@@ -278,9 +280,11 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
     try:
         res = _call(row["target"], slot, "properties.jobs:fuzz_job",
                     # a failure is shrunk for about a row's share at most (then
-                    # properties/minimize.py): the rows after it keep their time
+                    # properties/minimize.py): the rows after it keep their time;
+                    # a row still vacuous at its share's end goes on for up to
+                    # twice its share more
                     (spec, 10**7, seed, db_path, max(0.5, seconds), 0, True, None,
-                     max(2.0, seconds)))
+                     max(2.0, seconds), VACUOUS_GRACE))
     except WorkerGone as e:  # it died or hung: the trace from its flight recorder
         from model.events import Trace
 

@@ -62,11 +62,14 @@ class _Sampler:
 def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
              db_path: str | None = None, seconds: float | None = None,
              attention_every: int = 0, minimize: bool = True,
-             stop_file: str | None = None, shrink_seconds: float | None = None) -> FuzzResult:
+             stop_file: str | None = None, shrink_seconds: float | None = None,
+             vacuous_grace: float = 0.0) -> FuzzResult:
     """One Hypothesis run beside the target (in a worker); ``seconds``: stop
     starting examples after that long, or once ``stop_file`` exists (a
     verdict found by then is shrunk, for at most ``shrink_seconds`` when
-    given: :func:`properties.machine.fuzz`)."""
+    given: :func:`properties.machine.fuzz`). ``vacuous_grace``: a run that
+    has not yet reached every witness its configs can produce goes on past
+    ``seconds`` for up to that many times ``seconds`` more."""
     from impl.target import fit_spec, make_target
     from impl.worker import progress
     from properties.machine import fuzz
@@ -80,6 +83,7 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
         db = recording(open_database(db_path))
     sampler = _Sampler(attention_every, spec.target) if attention_every else None
     end = None if seconds is None else time.monotonic() + seconds
+    grace_end = None if seconds is None else time.monotonic() + seconds * (1 + vacuous_grace)
     found = [False]
     seen = [0, None]  # examples set up, the first failing one
 
@@ -87,8 +91,10 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
         st = type(machine).stats
         if phase == "setup":
             seen[0] += 1
-            if not found[0] and ((end is not None and time.monotonic() > end)
-                                 or (stop_file is not None and os.path.exists(stop_file))):
+            now = time.monotonic()
+            due = end is not None and now > end and (
+                now > grace_end or all(st.witness.get(w) for w in st.expected))
+            if not found[0] and (due or (stop_file is not None and os.path.exists(stop_file))):
                 raise StopRun
             progress((st.examples, dict(st.events)))
             return

@@ -208,3 +208,19 @@ def test_gate_known_by_the_findings_fix():
     # on another tree than the finding's release no fix is tried
     assert classify_by_fix(res, findings, "vllm@/some/checkout", replay=still_fails) is None
     assert len(tried) == len(set(tried))
+
+
+def test_a_vacuous_run_goes_on_for_its_grace():
+    """``fuzz_job(seconds, vacuous_grace)``: at the end of its time a run that
+    has not reached every witness its configs can produce goes on, up to
+    ``grace`` times its time more; one that has stops there."""
+    from properties.jobs import fuzz_job
+
+    spec = FuzzSpec(kind="sliding", policy="settled", depth=2, hazard="ordered",
+                    external=False)
+    cut = fuzz_job(spec, 10**7, 3, None, 0.0)
+    assert cut.stats.examples == 1 and cut.vacuous  # stopped at its first example
+    graced = fuzz_job(spec, 10**7, 3, None, 0.01, vacuous_grace=30000.0)
+    assert graced.stats.examples > 1 and not graced.vacuous, graced.vacuous
+    # with every witness reached it stops at once past its time, far inside its grace
+    assert graced.stats.examples < 2000
