@@ -236,3 +236,21 @@ def test_rswa_resumption_hit_holds_its_gap_until_the_next_step(monkeypatch):
     assert bad.first is not None and bad.first.prop == 6, bad.first
     assert "still holding its logical block 1" in bad.first.message, bad.first
     assert bad.first.step == 9 and bad.first.rid == "r0", bad.first
+
+
+def test_a_failed_load_of_an_ending_request_spoils_its_sharers():
+    """A request finished while its step loads a block fails that load; another
+    request read the block through a prefix hit. The reference recomputes the
+    sharer as vLLM does (its output read KV that never arrived), so the twin
+    stays in step on 0.33.0 at depth 1."""
+    trace = Trace.load(ROOT / "traces" / "vllm" /
+                       "failed-load-of-ending-request-spoils-sharer-0.33.0.json")
+    ref = replay(trace, "reference")
+    assert ref.first is None, ref.first
+    last = ref.rows[-1].obs.items
+    procs = [it for it in last if type(it).__name__ == "ProcessObs"]
+    assert procs and procs[0].failed and procs[0].failed[0][0] == "r1", procs
+    assert "r1" in procs[0].discarded and not procs[0].accepted, procs
+    got = replay(trace, vllm_target("0.33.0"))
+    assert got.crash is None and got.first is None, got.crash or got.first
+    assert got.witness["twin_compared"] == len(trace.events), got.witness

@@ -247,10 +247,14 @@ class Scheduler:
         discarded: list[str] = []
         failed: list[tuple[str, int]] = []
         after: list[tuple[Request, int | None]] = []  # (request, first bad block | None=finish)
-        fails = {e.rid: e.fail for e in step.entries
-                 if e.fail is not None and not e.discarded and e.rid not in ending}
+        # A load that failed spoils its blocks also where the request that
+        # loaded them ended or was preempted while the step ran (a prefix hit
+        # may share them); only a request still running recovers.
+        fails = {e.rid: e.fail for e in step.entries if e.fail is not None}
         if fails:
+            gone = {e.rid for e in step.entries if e.discarded} | set(ending)
             fails, spoiled = self._spread_failures(fails, ending)
+            fails = {rid: k for rid, k in fails.items() if rid not in gone}
             for st in (step, *self.steps):  # what already read them is garbage
                 for e in st.entries:
                     e.spoiled = e.spoiled or self._read_any(e, spoiled)
