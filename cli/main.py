@@ -2,19 +2,20 @@
 
 Exit status: 0 all properties hold, 1 a violation (counterexample printed and
 saved as a trace), 2 bad input or usage (one clear line), 3 the target failed
-or is unsupported.
+or cannot run what was asked, 4 incomplete (the gate: rows not covered in the
+budget), 128+N a signal (130 Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from cli.common import UsageError, remove_created, usable_out
 from impl.target import TargetCrash, TargetError, Unsupported
 from model.events import DRAFTERS, KINDS, MTP_MODULES, TraceError
 from model.kinds import KINDS as KIND_CLASSES
@@ -23,10 +24,6 @@ from properties.replay import InvalidEvent
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_TARGET = 0, 1, 2, 3
 ALL_KINDS = (*KINDS, "hybrid")
-
-
-class UsageError(Exception):
-    pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check the KV-cache block freeing logic of vLLM v1 (and our reference "
                     "manager) against the invariant: a block is freed only when it is outside "
                     "every unprocessed step's window and no rollback can make it needed again.",
-        epilog="exit status: 0 hold, 1 violation, 2 bad input, 3 target failed",
+        epilog="exit status: 0 hold, 1 violation, 2 bad input, 3 target failed, 4 incomplete",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
@@ -150,26 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--right", default="vllm@0.33.0")
     d.add_argument("--physical", action="store_true", help="compare physical block ids too")
 
-    g = sub.add_parser(
-        "gate", help="fuzz the matrix a reviewer needs within a time budget; a verdict table",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  ./kvcheck gate --target vllm@0.33.0 --minutes 10\n"
-               "  ./kvcheck gate --target vllm@$PWD/pr --minutes 10   (a checkout)\n"
-               "every kind x hazard x depth 1/2/PP x drafts x prefix caching x failed loads; "
-               "known findings (findings/) are listed as known; exit 0 pass, 1 a new "
-               "violation or a vacuous row, 3 the target failed")
-    g.add_argument("--target", required=True, help="vllm@VERSION | vllm@PATH | reference")
-    g.add_argument("--minutes", type=float, default=10.0,
-                   help="time budget of the whole gate (default 10)")
-    g.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="rows at once, each in a worker beside the target (default: one per core)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--db", default=None, help="Hypothesis example database directory")
-    g.add_argument("--reports", default="reports/gate",
-                   help="where gate.md, gate.json, junit.xml, rows/ and counterexamples/ go "
-                        "(default reports/gate)")
-    g.add_argument("--junit", default=None, help="JUnit XML path (default REPORTS/junit.xml)")
-    g.add_argument("--quiet", action="store_true", help="no line per finished row")
+    from cli.gate import add_parser as add_gate
+
+    add_gate(sub)
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -238,7 +218,7 @@ def cmd_fuzz(a) -> int:
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1")
     workers = min(workers, a.examples)
-    _usable_out(a.out)
+    usable_out(a.out)
     if a.json is not None:
         _usable_json(a.json)
     db_path = None
@@ -398,7 +378,6 @@ def save_trace(trace, out: Path, filename: str) -> Path:
     """``trace`` saved as ``out/filename`` (never over a file); where ``out``
     cannot be written after all, in a new temporary folder, said in a line:
     a result found is never lost to its output folder."""
-    import tempfile
 
     try:
         return trace.save(Path(out) / filename)
@@ -411,7 +390,6 @@ def save_trace(trace, out: Path, filename: str) -> Path:
 def _save_counterexample(rr, out: Path, name: str, target: str, report: bool):
     """The trace, picture and reproducer under one fresh name in ``out``; where
     ``out`` cannot be written after all, in a new temporary folder (printed)."""
-    import tempfile
 
     from report.report import save_counterexample
 
@@ -439,41 +417,6 @@ def _print_report_paths(rep) -> None:
               f"target)")
     for e in rep.errors:
         print(f"report: {e}")
-
-
-_CREATED: list[Path] = []  # output folders made by _usable_out, removed at exit if empty
-
-
-def _usable_out(path: str, flag: str = "--out") -> None:
-    """Refuse an output folder that cannot take files, before the run starts
-    (exit 2): an existing file, a folder that cannot be written, a missing
-    one that cannot be created. A folder created here and left empty is
-    removed when the command ends."""
-    p = Path(path)
-    if not str(path).strip():
-        raise UsageError(f"{flag} '': name a folder")
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{flag} {path}: exists and is not a folder")
-    made = []
-    q = p
-    while not q.exists() and not q.is_symlink():
-        made.append(q)
-        q = q.parent
-    try:
-        for d in reversed(made):
-            d.mkdir()
-            _CREATED.append(d)
-        fd, probe = tempfile.mkstemp(dir=p, prefix=".kvcheck-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def _remove_created() -> None:
-    while _CREATED:
-        with contextlib.suppress(OSError):
-            _CREATED.pop().rmdir()  # only if still empty
 
 
 # ------------------------------------------------------------------- replay
@@ -590,7 +533,7 @@ def cmd_prove(a) -> int:
 
         if a.policy not in REGISTRY:
             raise UsageError(f"unknown policy {a.policy!r} (known: {', '.join(REGISTRY)})")
-    _usable_out(a.out)
+    usable_out(a.out)
     results = proof.prove_all(kinds=kinds, policies=policies)
     for r in results:
         if r.trace is not None:
@@ -614,27 +557,14 @@ def cmd_check(a) -> int:
         raise UsageError(f"--examples {a.examples}: must be positive")
     if a.seed < 0:
         raise UsageError(f"--seed {a.seed}: must be >= 0")
-    _usable_out(a.out)
+    usable_out(a.out)
     return run_check(a)
 
 
 def cmd_gate(a) -> int:
-    import math
+    from cli.gate import cmd_gate as run
 
-    from cli.gate import run_gate
-
-    if not (math.isfinite(a.minutes) and a.minutes > 0):
-        raise UsageError(f"--minutes {a.minutes}: the time budget must be a positive number")
-    if a.workers is not None and a.workers < 1:
-        raise UsageError(f"--workers {a.workers}: must be at least 1")
-    if a.db is not None:
-        from properties.database import open_database
-
-        open_database(a.db)
-    _usable_out(a.reports, "--reports")
-    if a.junit is not None:
-        _usable_out(str(Path(a.junit).parent or "."), "--junit")
-    return run_gate(a)
+    return run(a)
 
 
 def _check_environment() -> None:
@@ -690,4 +620,4 @@ def main(argv: list[str] | None = None) -> int:
         print("kvcheck: interrupted", file=sys.stderr)
         return 130
     finally:
-        _remove_created()
+        remove_created()

@@ -99,3 +99,43 @@ class Progress:
             self.stream.write("\r" + " " * self.width + "\r")
             self.stream.flush()
             self.width = 0
+
+
+class Ticker:
+    """One status line of a long job (the gate, the nightly): on a terminal
+    kept up to date in place (``\\r``), elsewhere (CI logs) written as a line
+    of its own at most once every ``every`` seconds (60 by default)."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None,
+                 every: float | None = None, clock: Any = time.monotonic) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            tty = bool(isatty and isatty())
+        self.tty = tty
+        self.every = every if every is not None else (0.5 if tty else 60.0)
+        self.clock = clock
+        self.last = clock()
+        self.width = 0
+        self.lines = 0
+
+    def update(self, text: str, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        if self.tty:
+            cols = shutil.get_terminal_size((100, 24)).columns - 1
+            text = text[:max(10, cols - 1)]
+            self.stream.write("\r" + text + " " * max(0, self.width - len(text)))
+            self.width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.lines += 1
+
+    def close(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0

@@ -7,10 +7,10 @@ database, and a report a reviewer can read in the morning.
 
 The matrix (see :func:`build_matrix`): the reference target under the
 ``settled`` policy for full, sliding, chunked_local, mamba and hybrid; and
-the gate's matrix (``cli/gate.py``: every kind x hazard x depth x drafts x
+the gate's matrix (``gate/matrix.py``: every kind x hazard x depth x drafts x
 prefix caching x failed loads) for the newest supported vLLM release
 (``vllm@0.33.0``), its known findings listed as known. The rows run on the
-gate's engine (:func:`cli.gate.run_rows`): each a fuzz run in a worker beside
+gate's engine (:func:`gate.rows.run_rows`): each a fuzz run in a worker beside
 its target, the budget spread over the cores. A target that cannot be loaded is a failed row that
 says why, never a silent omission. ``KVCHECK_NIGHTLY_MATRIX`` restricts or
 extends it, entries separated by commas::
@@ -41,7 +41,10 @@ and ``summary.json`` says so per row (``replayed_from_database``,
 Writes into ``reports/``: ``junit.xml`` (one ``test_row[ID]`` per row), ``summary.json``,
 ``summary.md``, and per failing row under ``counterexamples/`` the trace,
 its picture (``.png``) and a pytest reproducer (``test_*.py``).
-Exit status: 0 every row holds, 1 a row failed, 2 a bad matrix.
+Exit status (the gate's, :mod:`gate.rows`): 0 every row holds or is a known
+finding, 1 a new counterexample, 3 a new crash or a target that cannot run,
+4 incomplete (rows that did not reach their witnesses in their share), 2 a
+bad matrix.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cli.gate import KNOBS, gate_matrix, row_id  # noqa: E402 - one home for the matrix
+from gate.matrix import KNOBS, gate_matrix, row_id, target_label  # noqa: E402 - one home
 
 KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid", "rswa", "sink")
 REFERENCE_KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
@@ -103,7 +106,8 @@ def make_row(target: str, kind: str, policy: str | None, knobs: dict, cache: dic
             why = f"target {target} implements the {fixed} policy, not {policy}"
         elif fixed:
             policy = fixed
-    return {"id": row_id(target, kind, policy, knobs), "target": target, "kind": kind,
+    shown = policy if not fixed else None  # a target that implements its own: no policy
+    return {"id": row_id(kind, knobs, target, shown), "target": target, "kind": kind,
             "policy": policy, "knobs": knobs, "unavailable": why, "source": source}
 
 
@@ -113,11 +117,12 @@ def default_matrix(cache: dict, vllm: str = DEFAULT_VLLM) -> tuple[list[dict], l
     notes = []
     caps, why = _probe(vllm, cache)
     if caps is None:
-        rows.append({"id": row_id(vllm, "all", "-", {}), "target": vllm, "kind": "all",
+        rows.append({"id": row_id("all", {}, vllm), "target": vllm, "kind": "all",
                      "policy": "-", "knobs": {}, "unavailable": why, "source": "default"})
     else:
         gate, notes = gate_matrix(vllm, caps)
-        rows += [{**r, "source": "default"} for r in gate]
+        rows += [{**r, "id": f"{target_label(vllm)}-{r['id']}", "source": "default"}
+                 for r in gate]
     return rows, notes
 
 
@@ -234,7 +239,8 @@ def _db_label(db: str) -> str:
 
 def run(minutes: float, reports: Path, db: str, workers: int | None = None,
         matrix_spec: str | None = None, python: str = sys.executable) -> int:
-    from cli.gate import exit_status, run_rows, write_junit
+    from gate.report import write_junit
+    from gate.rows import exit_status, run_rows
 
     t0 = time.time()
     started = datetime.now(UTC)
@@ -257,9 +263,11 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
                        log=lambda line: print(line, flush=True))
     junit = reports / "junit.xml"
     write_junit(results, junit, "kvcheck-nightly")
-    ok = bool(results) and exit_status(results) == 0
-    summary = {"ok": ok, "passed": sum(1 for r in results if r["ok"]),
-               "failed": sum(1 for r in results if not r["ok"]), "rows": results,
+    code = exit_status(results) if results else 1
+    ok = code == 0
+    summary = {"ok": ok, "exit": code, "passed": sum(1 for r in results if r["ok"]),
+               "failed": sum(1 for r in results if r["exit"] not in (0, 4)),
+               "not_covered": sum(1 for r in results if r["exit"] == 4), "rows": results,
                "junit": str(junit),
                "started": started.isoformat(timespec="seconds"),
                "seconds": round(time.time() - t0, 1),
@@ -270,7 +278,7 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
     md = format_markdown(summary, reports)
     (reports / "summary.md").write_text(md)
     print(md)
-    return 0 if summary["ok"] else 1
+    return code
 
 
 def _rel(p: str | None, base: Path) -> str | None:
@@ -283,7 +291,8 @@ def _rel(p: str | None, base: Path) -> str | None:
 
 
 def format_markdown(s: dict, reports: Path) -> str:
-    head = "PASS" if s["ok"] else f"FAIL: {s['failed']} of {len(s['rows'])} rows"
+    head = ("PASS" if s["ok"] else f"FAIL: {s['failed']} of {len(s['rows'])} rows" if s["failed"]
+            else f"INCOMPLETE: {s.get('not_covered', 0)} of {len(s['rows'])} rows not covered")
     lines = [f"# kvcheck nightly: {head}", "",
              f"{s['started']}, {s['seconds']:.0f}s: budget {s['minutes']:g} min, "
              f"{len(s['rows'])} rows on {s['workers']} worker(s) ({s['cpus']} CPUs), "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.gate import gate_matrix, run_row
+from gate.matrix import gate_matrix
+from gate.rows import run_row
 from impl.target import Capabilities
 from properties.jobs import fuzz_job
 
@@ -48,7 +49,10 @@ def test_default_matrix_and_restrictions():
                        "reference-hybrid-settled"]
     # the vLLM rows are the gate's matrix: one home for it
     gate = gate_matrix("vllm@0.33.0", vllm_cache()["vllm@0.33.0"][0])[0]
-    assert ids[5:] == [r["id"] for r in gate] and len(gate) == 2 * (12 + 24)
+    assert ids[5:] == [f"vllm-0.33.0-{r['id']}" for r in gate] and len(gate) == 2 * (12 + 24)
+    # ids are short and the same on every machine: no path, no policy on a vLLM row
+    assert "sliding-unordered-d2-k2-pc-fl" in {r["id"] for r in gate}
+    assert max(len(i) for i in ids) < 48 and not any("settled" in r["id"] for r in gate)
     assert {r["knobs"]["depth"] for r in gate} == {1, 2, 3}
     assert {(r["knobs"]["hazard"], r["knobs"]["failed_loads"]) for r in gate} == {
         ("ordered", False), ("unordered", False), ("unordered", True)}
@@ -56,7 +60,7 @@ def test_default_matrix_and_restrictions():
     assert any("mamba" in n for n in notes)  # said, not silently dropped
     only = nightly.build_matrix("reference:sliding:optimistic:depth=2", vllm_cache())[0]
     assert [(r["id"], r["knobs"]) for r in only] == [
-        ("reference-sliding-optimistic-depth2", {"depth": 2})]
+        ("reference-sliding-optimistic-d2", {"depth": 2})]
     ref = nightly.build_matrix("reference:*", vllm_cache())[0]
     assert len(ref) == 5 and {r["target"] for r in ref} == {"reference"}
     plus = nightly.build_matrix("+reference:sliding:optimistic:depth=2", vllm_cache())[0]
@@ -65,7 +69,7 @@ def test_default_matrix_and_restrictions():
     assert len(minus) == 5
     js = nightly.build_matrix('[{"target": "reference", "kind": "mamba", "spec_tokens": 2}]',
                               vllm_cache())[0]
-    assert js[0]["id"] == "reference-mamba-settled-spec_tokens2"
+    assert js[0]["id"] == "reference-mamba-settled-k2"
 
 
 def test_missing_target_is_a_failed_row_not_silence(tmp_path):
@@ -120,10 +124,10 @@ def run_nightly(tmp_path, matrix, minutes="0.3"):
 
 def test_nightly_end_to_end_and_replay_first(tmp_path):
     matrix = "reference:sliding:optimistic:depth=2,vllm@9.9.9:sliding,reference:full:settled"
-    bad_id, missing_id, good_id = ("reference-sliding-optimistic-depth2",
+    bad_id, missing_id, good_id = ("reference-sliding-optimistic-d2",
                                    "vllm-9.9.9-sliding-settled", "reference-full-settled")
     rc, out = run_nightly(tmp_path, matrix)
-    assert rc == 1, out
+    assert rc == 3, out  # a target that cannot be loaded (and a new violation)
     rep = tmp_path / "reports"
     for f in ("junit.xml", "summary.json", "summary.md"):
         assert (rep / f).is_file(), f"{f} missing:\n{out}"
@@ -149,7 +153,7 @@ def test_nightly_end_to_end_and_replay_first(tmp_path):
 
     # the next night: the saved failure is replayed before anything new
     rc, out = run_nightly(tmp_path, matrix)
-    assert rc == 1, out
+    assert rc == 3, out
     rows = {r["id"]: r for r in json.loads((rep / "summary.json").read_text())["rows"]}
     again = rows[bad_id]
     assert again["replayed_from_database"] >= 1, again
@@ -226,7 +230,7 @@ def test_redis_database_replays_a_failure_first(tmp_path, redis_url, monkeypatch
     assert again.violation is not None
     assert again.replayed_from_database >= 1 and again.examples_to_fail == 1
     # and a nightly row on the same database says so in its result
-    row = {"id": "reference-sliding-optimistic-depth2", "target": "reference",
+    row = {"id": "reference-sliding-optimistic-d2", "target": "reference",
            "kind": "sliding", "policy": "optimistic", "knobs": {"depth": 2},
            "unavailable": None}
     # the row runs in a worker, which takes its environment when it starts: one

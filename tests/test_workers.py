@@ -107,7 +107,9 @@ def test_a_vllm_worker_that_hangs_is_stopped_exit_3(tmp_path):
 
 
 def test_gate_matrix_and_known_findings():
-    from cli.gate import classify, exit_status, gate_matrix, known_findings
+    from gate.known import classify, known_findings
+    from gate.matrix import gate_matrix
+    from gate.rows import exit_status
     from impl.target import Capabilities
     from model.events import Trace
     from properties.invariants import Violation
@@ -156,7 +158,7 @@ def test_gate_matrix_and_known_findings():
 
 
 def test_gate_finding_text_and_load_failure_policy():
-    from cli.gate import classify, known_findings
+    from gate.known import classify, known_findings
     from model.events import Trace
     from properties.invariants import Violation
     from properties.machine import FuzzResult, RunStats
@@ -184,7 +186,7 @@ def test_gate_known_by_the_findings_fix():
     attention; the gate's counterexample on sliding has its text but not its
     kind. It is known because it holds on that finding's fix, replayed beside
     the patched tree; a fix that does not clear it leaves it new."""
-    from cli.gate import classify, classify_by_fix, known_findings
+    from gate.known import classify, classify_by_fix, known_findings
     from model.events import Trace
     from properties.jobs import replay_beside
     from properties.machine import FuzzResult, RunStats

@@ -165,6 +165,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 import weakref
 from pathlib import Path
@@ -230,13 +231,17 @@ def resolve(spec: str) -> _Install:
             raise TargetError(
                 f"vllm {spec} is not installed; run: {compat.install_command(spec)}")
         return _Install(spec, spec, [d], d / "vllm")
+    if re.fullmatch(r"v?\d+(\.\d+)*(\.x)?", spec):
+        raise Unsupported(f"vllm@{spec}: not a release number like 0.33.0 (three parts)")
     tree = Path(spec).expanduser()
     if tree.name == "vllm" and (tree / "__init__.py").is_file():
         tree = tree.parent
+    if not tree.is_dir():
+        raise Unsupported(f"vllm@{spec}: neither a vLLM release number (like 0.33.0) nor a "
+                          f"folder")
     if not (tree / "vllm" / "__init__.py").is_file():
-        raise TargetError(
-            f"{spec!r} is neither a vLLM release number (like 0.33.0) nor a vLLM "
-            f"source checkout (a folder holding vllm/__init__.py)")
+        raise Unsupported(f"vllm@{spec}: {tree} is not a vLLM source checkout (no "
+                          f"vllm/__init__.py in it)")
     tree = tree.resolve()
     line = compat.checkout_version(tree)
     installed = compat.installed_releases()

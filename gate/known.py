@@ -1,0 +1,169 @@
+"""Known findings: the one home that fuzz, replay, the gate and the nightly
+ask whether a counterexample is a bug already on file.
+
+A finding is a trace under ``findings/`` with ``meta.finding`` (its number in
+findings/README.md), ``meta.title``, ``meta.upstream``, the property and text
+it ends in (``meta.expect``, or a crash's ``meta.crash``), and the fix that
+clears it (``meta.fixed_by``, a diff against ``meta.target``'s release).
+
+A counterexample is a finding by shape (:func:`classify`) when it shows the
+finding's property and text and holds the finding's event types, kinds,
+drafter and load-failure policy. It is a finding by fix (:func:`classify_by_fix`)
+when it fails on the finding's release and holds once that finding's fix is
+applied: this covers the other kinds and the other properties a bug's traces
+can end in (finding 3's failed load seen as a stalled request, property 7).
+The list only *names* a counterexample; whether it fails a gate is decided by
+replaying it on the base (:mod:`gate.attribution`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FINDINGS = ROOT / "findings"
+
+
+@dataclass(frozen=True)
+class Finding:
+    name: str
+    prop: int | None  # None: a crash
+    text: str
+    events: frozenset[str]
+    kinds: frozenset[str]
+    drafter: str
+    load_failure: str = "recompute"  # Config.kv_load_failure_policy of its trace
+    target: str = ""  # the release it was found on (meta.target)
+    fixed_by: str | None = None  # its fix, a diff for that release (meta.fixed_by)
+    number: int | None = None  # meta.finding
+    title: str = ""
+    upstream: str = ""
+    path: Path | None = None
+
+    def says(self, message: str) -> bool:
+        """Whether ``message`` carries this finding's text; in a crash's text
+        each number stands for any number ("Cannot get 1 free blocks from the
+        pool" says "Cannot get 3 free blocks from the pool"). A violation's
+        text is matched as it is: its numbers name steps and requests."""
+        if self.prop is not None:
+            return self.text in message
+        rx = re.sub(r"\d+", r"\\d+", re.escape(self.text))
+        return re.search(rx, message) is not None
+
+    @property
+    def label(self) -> str:
+        """``finding 5, Mamba align load admitted one block short (upstream
+        PR #46892 (open))``: how every command names it."""
+        if self.number is None:
+            return self.name
+        up = f" (upstream {self.upstream})" if self.upstream else ""
+        return f"finding {self.number}, {self.title or self.name}{up}"
+
+
+def known_findings(folder: Path = FINDINGS) -> list[Finding]:
+    """The findings on releases (a trace whose ``meta.target`` is a release
+    with a fix applied is a counterexample to that fix, not a finding)."""
+    from model.events import Trace
+
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        t = Trace.load(path)
+        m = t.meta
+        if "+" in str(m.get("target", "")):
+            continue
+        crash = "crash" in m
+        out.append(Finding(path.stem, None if crash else int(m.get("prop", 2)),
+                           m["crash"] if crash else m["expect"],
+                           frozenset(type(e).__name__ for e in t.events),
+                           frozenset(g.kind for g in t.config.groups), t.config.drafter,
+                           t.config.kv_load_failure_policy, str(m.get("target", "")),
+                           m.get("fixed_by"), m.get("finding"), str(m.get("title", "")),
+                           str(m.get("upstream", "")), path))
+    return out
+
+
+def by_name(name: str | None, findings: list[Finding] | None = None) -> Finding | None:
+    return next((f for f in (findings or known_findings()) if f.name == name), None)
+
+
+def _signature_matches(res: Any, findings: list[Finding]) -> list[Finding]:
+    """The findings whose property (or crash) and text the result shows."""
+    out = []
+    for f in findings:
+        if res.crash is not None:
+            if f.prop is None and f.says(res.crash):
+                out.append(f)
+        elif res.violation is not None and f.prop == res.violation.prop \
+                and f.says(res.violation.message):
+            out.append(f)
+    return out
+
+
+def _shape(res: Any) -> tuple[set[str], set[str], str, str]:
+    trace = res.trace
+    # a crash while the scheduler is built has no events (and no trace)
+    events = {type(e).__name__ for e in trace.events} if trace else set()
+    kinds = {g.kind for g in trace.config.groups} if trace else {res.spec.kind}
+    drafter = trace.config.drafter if trace else res.spec.drafter
+    load_failure = trace.config.kv_load_failure_policy if trace else res.spec.load_failure
+    return events, kinds, drafter, load_failure
+
+
+def classify(res: Any, findings: list[Finding]) -> str | None:
+    """The known finding a fuzz result's counterexample is by its shape, or None."""
+    if res.trace is None and res.crash is None:
+        return None
+    events, kinds, drafter, load_failure = _shape(res)
+    matches = [f for f in _signature_matches(res, findings)
+               if f.events <= events and f.kinds <= kinds and f.drafter == drafter
+               and f.load_failure == load_failure]
+    # the most specific finding: the one whose trace needs the most event types
+    return max(matches, key=lambda f: (len(f.events), len(f.kinds))).name if matches else None
+
+
+def fix_candidates(res: Any, findings: list[Finding], release: str,
+                   any_text: bool = False) -> list[Finding]:
+    """The findings of ``release`` whose fix may clear the counterexample:
+    those with its property and text, and (``any_text``) also every finding
+    whose trace needs no event type the counterexample lacks and whose
+    load-failure policy it shares (a bug seen through another property).
+    One per fix, those with the text first."""
+    if res.trace is None:
+        return []
+    events, _, _, load_failure = _shape(res)
+    said = _signature_matches(res, findings)
+    rest = [f for f in findings if any_text and f not in said and f.events <= events
+            and f.load_failure == load_failure]
+    out, fixes = [], set()
+    for f in sorted(said, key=lambda f: f.name) + sorted(rest, key=lambda f: f.name):
+        if f.target != release or not f.fixed_by or f.fixed_by in fixes:
+            continue
+        fixes.add(f.fixed_by)
+        out.append(f)
+    return out
+
+
+def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 0,
+                    replay: Any = None, any_text: bool = False,
+                    deadline: float | None = None) -> str | None:
+    """A counterexample on ``target``, the release a finding was found on,
+    that no longer fails once that finding's fix is applied
+    (``TARGET+FIX.diff``, replayed beside it) is that finding; None when no
+    fix clears it, or when ``deadline`` (time.monotonic) passes first."""
+    import time
+
+    if replay is None:
+        from properties.jobs import replay_beside
+
+        def replay(trace: Any, fixed: str) -> Any:
+            return replay_beside(trace, fixed, slot=slot)
+    for f in fix_candidates(res, findings, target, any_text):
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        rr = replay(res.trace, f"{target}+{f.fixed_by}")
+        if rr.crash is None and not rr.violations:
+            return f.name
+    return None

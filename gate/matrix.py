@@ -1,0 +1,136 @@
+"""The matrix a reviewer needs for one vLLM: its rows, their ids, their specs.
+
+Every kind the target supports x hazard ordered / unordered x depth 1 / 2 / 3
+(pipeline parallel) x drafts off / on (2 draft tokens) x prefix caching off /
+on x connector loads that never fail / may fail (unordered only: loads need a
+KV-consumer connector). Rows the target cannot run are left out with the
+reason (Mamba's align mode: prefix caching on; failed loads on several
+KV-cache groups only where the tree survives them).
+
+A row id is short and the same on every machine: the kind, then the knobs
+(``sliding-unordered-d2-k2-pc-fl``: unordered hazard, depth 2, two draft
+tokens, prefix caching on, failed loads on); no path, and no policy on a
+target that implements its own. The nightly puts the target in front.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+DEPTHS = (1, 2, 3)
+DRAFTS = 2  # draft tokens of a "drafts on" row
+KINDS = ("full", "sliding", "chunked_local", "rswa", "mamba", "sink", "hybrid")
+KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
+         "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
+         "steps": int}
+# how each knob is written in a row id: (prefix or the on / off words)
+_ID = {"depth": "d", "spec_tokens": "k", "block_size": "b", "steps": "s",
+       "prefix_caching": ("pc", "nopc"), "failed_loads": ("fl", "nofl"),
+       "external": ("ext", "noext"), "aligned_loads": ("aligned", "unaligned")}
+_ORDER = ("hazard", "depth", "spec_tokens", "prefix_caching", "failed_loads", "external",
+          "block_size", "aligned_loads", "steps")
+
+
+def target_label(target: str) -> str:
+    """A target's name in a row id: a release as it is, a checkout as
+    ``vllm-tree`` (never its path), a patched release with its diffs' stems."""
+    from pathlib import Path
+
+    engine, _, rest = target.partition("@")
+    if not rest:
+        return engine
+    release, *diffs = rest.split("+")
+    if "/" in release or release.startswith((".", "~")):
+        release = "tree"
+    return "-".join([engine, release, *(Path(d).stem for d in diffs)])
+
+
+def row_id(kind: str, knobs: dict, target: str | None = None,
+           policy: str | None = None) -> str:
+    parts = ([target_label(target)] if target else []) + [kind] + ([policy] if policy else [])
+    for k in _ORDER:
+        if k not in knobs:
+            continue
+        v, how = knobs[k], _ID.get(k)
+        if k == "external" and "hazard" in knobs and v == (knobs["hazard"] == "unordered"):
+            continue  # implied by the hazard (a connector is what makes it unordered)
+        if isinstance(how, tuple):
+            parts.append(how[0] if v else how[1])
+        elif how:
+            parts.append(f"{how}{v}")
+        else:
+            parts.append(str(v))
+    return "-".join(parts)
+
+
+def make_row(target: str, kind: str, policy: str, knobs: dict, source: str = "gate",
+             unavailable: str | None = None, row_id_: str | None = None) -> dict:
+    return {"id": row_id_ or row_id(kind, knobs), "target": target, "kind": kind,
+            "policy": policy, "knobs": knobs, "unavailable": unavailable, "source": source}
+
+
+def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
+                hybrid_failed_loads: bool = False) -> tuple[list[dict], list[str]]:
+    """The rows of the module's matrix the target can run, and notes on what
+    is left out. Hybrids get failed-load rows only on a tree that survives a
+    block-level load failure on several KV-cache groups
+    (``VllmTarget.hybrid_failed_loads``; unmodified releases crash there,
+    findings/failed-load-hybrid-crashes-*)."""
+    from model.policy import DEFAULT_POLICY
+
+    policy = caps.fixed_policy or DEFAULT_POLICY
+    kinds = tuple(k for k in (kinds or KINDS) if k in caps.kinds)
+    notes = [f"{target} does not support {k}: not in the matrix"
+             for k in KINDS if k not in caps.kinds]
+    rows = []
+    for kind in kinds:
+        pinned = {name: value for name, value, _ in caps.pinned.get(kind, ())}
+        for hazard in ("ordered", "unordered"):
+            for depth in DEPTHS:
+                for drafts in (0, DRAFTS):
+                    if "spec_tokens" in pinned and pinned["spec_tokens"] != drafts:
+                        continue
+                    for prefix in (False, True):
+                        if "prefix_caching" in pinned and pinned["prefix_caching"] != prefix:
+                            continue
+                        loads = (False,) if hazard == "ordered" else (False, True)
+                        for fail in loads:
+                            if fail and kind == "hybrid" and not hybrid_failed_loads:
+                                continue
+                            knobs = {"hazard": hazard, "depth": depth, "spec_tokens": drafts,
+                                     "prefix_caching": prefix, "external": hazard == "unordered",
+                                     "failed_loads": fail}
+                            rows.append(make_row(target, kind, policy, knobs))
+    if "mamba" in kinds:
+        notes.append("mamba: prefix caching on only (vLLM's align mode here)")
+    if "hybrid" in kinds and not hybrid_failed_loads:
+        notes.append("hybrid: no failed-load rows (this tree crashes on a failed load over "
+                     "several KV-cache groups, findings/failed-load-hybrid-crashes-*)")
+    return rows, notes
+
+
+def narrow(rows: list[dict], patterns: list[str] | None = None,
+           kinds: list[str] | None = None) -> list[dict]:
+    """The rows whose id matches one of ``patterns`` (fnmatch; a pattern
+    without a wildcard matches as a part of the id) and whose kind is one of
+    ``kinds``."""
+    out = rows
+    if kinds:
+        out = [r for r in out if r["kind"] in kinds]
+    if patterns:
+        pats = [p if any(c in p for c in "*?[") else f"*{p}*" for p in patterns]
+        out = [r for r in out if any(fnmatch.fnmatchcase(r["id"], p) for p in pats)]
+    return out
+
+
+def spec_of(row: dict):
+    from properties.machine import FuzzSpec
+
+    k = row.get("knobs") or {}
+    return FuzzSpec(target=row["target"], kind=row["kind"], policy=row["policy"],
+                    depth=k.get("depth"), spec_tokens=k.get("spec_tokens"),
+                    hazard=k.get("hazard"), prefix_caching=k.get("prefix_caching"),
+                    block_size=k.get("block_size"), external=k.get("external", True),
+                    aligned_loads=k.get("aligned_loads", True),
+                    fail_loads=k.get("failed_loads", True), max_steps=k.get("steps"))

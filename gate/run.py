@@ -1,0 +1,145 @@
+"""One gate run: the base, the matrix, the rows, the attribution, the reports.
+
+``run_gate(GateOptions(...), say)`` returns the exit status and says the
+summary through ``say`` (a line at a time); the command line
+(:mod:`cli.gate`) only parses and prints. Every run writes into a fresh
+folder ``REPORTS/<time>/`` (``gate.md``, ``gate.json``, ``junit.xml``,
+``rows/``, ``counterexamples/``) and points ``REPORTS/latest`` at it; nothing
+of an earlier run is written over. An explicit ``--junit PATH`` is replaced
+atomically, as pytest writes ``--junitxml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gate.attribution import fixed_by_change
+from gate.base import Changes, changed_lines, default_base, given_base
+from gate.known import known_findings
+from gate.matrix import gate_matrix, narrow
+from gate.report import GateRun, markdown, summary, write_junit
+from gate.rows import exit_status, run_rows
+
+# the least budget that starts the workers and runs one row (a vLLM worker
+# imports vLLM for about 10-15 s on 2 cores)
+MIN_BUDGET_S = {"vllm": 30.0, "sglang": 30.0, "reference": 5.0}
+FIXED_SHARE = 0.1  # of the budget, at most, for replaying the findings on base and target
+
+
+class BudgetError(ValueError):
+    """A budget too small to run anything (exit 2)."""
+
+
+@dataclass
+class GateOptions:
+    target: str
+    base: str | None = None
+    minutes: float = 10.0
+    workers: int | None = None
+    seed: int | None = None
+    db: str | None = None
+    reports: str = "reports/gate"
+    junit: str | None = None
+    rows: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    fail_fast: bool = False
+    quiet: bool = False
+
+
+def min_budget(target: str) -> float:
+    return MIN_BUDGET_S.get(target.partition("@")[0], 30.0)
+
+
+def fresh_run_dir(parent: Path) -> Path:
+    """A new folder under ``parent`` named by the time, and ``parent/latest``
+    pointing at it (a ``latest`` that is not kvcheck's link is refused)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    latest = parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        raise BudgetError(f"{latest} exists and is not kvcheck's link; move it away")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        d = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            d.mkdir()
+            break
+        except FileExistsError:
+            continue
+    tmp = parent / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(d.name)
+    os.replace(tmp, latest)
+    return d
+
+
+def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
+    from impl.target import Unsupported, make_target
+    from properties.jobs import default_workers
+
+    t0 = time.monotonic()
+    budget = o.minutes * 60
+    if budget < min_budget(o.target):
+        raise BudgetError(f"--minutes {o.minutes:g}: below the {min_budget(o.target):.0f} s "
+                          f"that starting the workers and one row takes on {o.target}")
+    target = make_target(o.target)  # an unknown or missing vLLM: exit 2 / 3 here
+    base = given_base(o.target, o.base) if o.base else default_base(o.target)
+    workers = o.workers or default_workers()
+    probe = getattr(target, "hybrid_failed_loads", None)
+    hybrid_loads = "hybrid" in target.capabilities.kinds and probe is not None and probe()
+    rows, notes = gate_matrix(o.target, target.capabilities, hybrid_failed_loads=hybrid_loads)
+    everything = len(rows)
+    rows = narrow(rows, o.rows, o.kinds)
+    if not rows:
+        raise Unsupported(f"--rows {' '.join(o.rows) or '-'} --kind {' '.join(o.kinds) or '-'}: "
+                          f"no row of the {everything} in the matrix is left")
+    narrowed = f" (of {everything})" if len(rows) < everything else ""
+    reports = fresh_run_dir(Path(o.reports))
+    db = str(Path(o.db).resolve()) if o.db else None
+    changes = Changes() if base.same else changed_lines(o.target, base.target)
+    say(f"gate {o.target} against base {base.target} ({base.why})")
+    if not base.same:
+        say(f"changed: {changes.text()}")
+    deadline = t0 + budget
+    findings = known_findings()
+    fixed, tried = [], (0, 0)
+    if not base.same:
+        if ticker is not None:
+            ticker.update("replaying the known findings on base and target", force=True)
+        fixed, done, total = fixed_by_change(base, o.target,
+                                             time.monotonic() + FIXED_SHARE * budget)
+        tried = (done, total)
+
+    def progress(done: list[dict], total: int) -> None:
+        if ticker is None:
+            return
+        intro = sum(1 for r in done if r["status"] in ("introduced", "new"))
+        ex = sum(r.get("examples", 0) for r in done)
+        left = max(0, deadline - time.monotonic())
+        ticker.update(f"gate: {len(done)}/{total} rows, {ex:,} examples, {intro} introduced, "
+                      f"{int(left // 60)}:{int(left % 60):02d} left")
+
+    results = run_rows(rows, deadline - time.monotonic(), workers, db, reports,
+                       seed=o.seed, base=base, fail_fast=o.fail_fast, on_progress=progress,
+                       deadline=deadline, findings=findings,
+                       log=None if o.quiet or ticker is not None else None)
+    if ticker is not None:
+        ticker.close()
+    code = exit_status(results)
+    junit = Path(o.junit) if o.junit else reports / "junit.xml"
+    run = GateRun(o.target, base, changes, workers, o.minutes, time.monotonic() - t0, results,
+                  fixed, tried, notes, code, reports, junit, narrowed)
+    (reports / "gate.md").write_text(markdown(run))
+    (reports / "gate.json").write_text(json.dumps(
+        {"target": o.target, "base": base.target, "base_why": base.why, "exit": code,
+         "verdict": run.verdict, "changed": changes.files,
+         "fixed": [f.__dict__ for f in fixed], "rows": results}, indent=1, default=str))
+    write_junit(results, junit, "kvcheck-gate")
+    for line in summary(run):
+        say(line)
+    return code
