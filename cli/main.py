@@ -261,6 +261,7 @@ def cmd_fuzz(a) -> int:
         path = save_trace(res.trace, Path(a.out), f"crash-{a.kind}.json") if res.trace else None
         print("verdict: TARGET FAILED")
         print(res.crash)
+        _say_known(res, a.target)
         if path:
             print(f"trace saved: {path} ({len(res.trace.events)} events, the last one the "
                   f"event the target failed on)")
@@ -273,6 +274,7 @@ def cmd_fuzz(a) -> int:
         print(f"verdict: VIOLATION of property {v.prop} ({v.name}) "
               f"after shrinking to {len(res.trace.events)} events")
         print(format_timeline(rr))
+        _say_known(res, a.target)
         rep = _save_counterexample(rr, Path(a.out), name, a.target, a.report)
         print(f"trace saved: {rep.trace}")
         print(f"replay: ./kvcheck replay {rep.trace} --target {a.target}")
@@ -285,6 +287,21 @@ def cmd_fuzz(a) -> int:
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
+
+
+def _say_known(res, target: str) -> None:
+    """Name the counterexample where it is a known finding (gate/known.py):
+    by its shape, or on the finding's release by the fix that clears it."""
+    from gate.known import by_name, known_findings, name_of
+    from impl.vllm.compat import parse_release
+
+    findings = known_findings()
+    engine, _, version = target.partition("@")
+    release = version if engine == "vllm" and parse_release(version) else None
+    known, how = name_of(res, findings, release, any_text=False)
+    if known is not None:
+        print(f"known: {by_name(known, findings).label}{how}: a bug already on file "
+              f"(findings/{known}.json)")
 
 
 def _usable_json(path: str) -> None:
@@ -453,6 +470,11 @@ def cmd_replay(a) -> int:
               f"(the trace's meta.props)")
     print(timeline if timeline is not None else format_timeline(rr))
     code = EXIT_OK
+    if rr.crash or rr.first is not None:
+        from types import SimpleNamespace
+
+        _say_known(SimpleNamespace(crash=rr.crash, violation=rr.first, trace=trace, spec=None),
+                   target)
     if rr.crash:
         code = EXIT_TARGET
     elif rr.first is not None:

@@ -35,12 +35,25 @@ def _crash_text(text: str) -> str:
     return re.sub(r"\d+", "N", lines[-1]) if lines else ""
 
 
+def _replay(trace: Any, target: str, slot: int = 0) -> Any:
+    """The replay beside ``target``; a target that raises while it is built
+    (before the first event) is a crash of the replay, as any other."""
+    from impl.target import TargetCrash
+    from properties.jobs import replay_beside
+    from properties.replay import ReplayResult
+
+    try:
+        return replay_beside(trace, target, slot=slot)
+    except TargetCrash as e:
+        return ReplayResult(trace, [], [], {}, crash=str(e))
+
+
 def replay_on_base(res: Any, base: Base, slot: int = 0, seconds: float = 10.0) -> OnBase:
     """Whether the fuzz result's counterexample fails on ``base`` as it did on
     the target. A crash with no trace (the scheduler could not be built) is
     looked for by fuzzing the same row on the base for ``seconds``."""
     from impl.target import TargetError, Unsupported
-    from properties.jobs import WorkerGone, _call, replay_beside
+    from properties.jobs import WorkerGone, _call
     from properties.replay import InvalidEvent
 
     if base.same:
@@ -60,7 +73,7 @@ def replay_on_base(res: Any, base: Base, slot: int = 0, seconds: float = 10.0) -
                                                 f"{_crash_text(got.crash)}")
         return OnBase(False, f"the base built and ran {got.stats.examples} examples")
     try:
-        rr = replay_beside(res.trace, base.target, slot=slot)
+        rr = _replay(res.trace, base.target, slot)
     except (InvalidEvent, Unsupported) as e:
         return OnBase(False, f"the base cannot run this trace: {e}")
     if res.crash is not None:
@@ -98,7 +111,6 @@ def fixed_by_change(base: Base, target: str, deadline: float, slot: int = 0,
     ``deadline`` (time.monotonic)."""
     from impl.target import TargetError, Unsupported
     from model.events import Trace, TraceError
-    from properties.jobs import replay_beside
     from properties.replay import InvalidEvent
 
     paths = finding_traces()
@@ -111,10 +123,10 @@ def fixed_by_change(base: Base, target: str, deadline: float, slot: int = 0,
         done += 1
         try:
             t = Trace.load(p)
-            rb = replay_beside(t, base.target, slot=slot)
+            rb = _replay(t, base.target, slot)
             if rb.crash is None and rb.first is None:
                 continue
-            rt = replay_beside(t, target, slot=slot)
+            rt = _replay(t, target, slot)
         except (InvalidEvent, Unsupported, TargetError, TraceError):
             continue  # a trace of another release's API, a layout this tree refuses
         if rt.crash is None and rt.first is None:

@@ -54,7 +54,9 @@ class Changes:
         if not self.files:
             return "no line differs from the base under vllm/"
         names = ", ".join(sorted(self.files)[:4]) + (" ..." if len(self.files) > 4 else "")
-        return f"{self.lines} changed lines in {len(self.files)} files ({names})"
+        n, m = self.lines, len(self.files)
+        return (f"{n} changed line{'s' * (n != 1)} in {m} file{'s' * (m != 1)} under vllm/ "
+                f"({names})")
 
 
 def _engine(target: str) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FINDINGS = ROOT / "findings"
+FIX_START_S = 20.0  # about what starting a worker on a fix's tree takes (2 cores)
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,29 @@ def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 
         def replay(trace: Any, fixed: str) -> Any:
             return replay_beside(trace, fixed, slot=slot)
     for f in fix_candidates(res, findings, target, any_text):
-        if deadline is not None and time.monotonic() > deadline:
+        # a fix's tree runs in a worker of its own, started on first use
+        if deadline is not None and time.monotonic() > deadline - FIX_START_S:
             return None
         rr = replay(res.trace, f"{target}+{f.fixed_by}")
         if rr.crash is None and not rr.violations:
             return f.name
     return None
+
+
+def name_of(res: Any, findings: list[Finding], release: str | None, slot: int = 0,
+            deadline: float | None = None, any_text: bool = True) -> tuple[str | None, str]:
+    """The known finding a counterexample on ``release`` is, and how it was
+    told: by its shape (``""``), else by a fix that clears it
+    (``" (gone on its fix)"``; ``any_text``: a fix of any finding whose
+    events it holds, so a bug seen through another property is named too)."""
+    import time
+
+    known = classify(res, findings)
+    if known is not None:
+        return known, ""
+    if release and res.trace is not None and (deadline is None or time.monotonic() < deadline):
+        known = classify_by_fix(res, findings, f"vllm@{release}", slot, any_text=any_text,
+                                deadline=deadline)
+        if known is not None:
+            return known, " (gone on its fix)"
+    return None, ""

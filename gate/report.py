@@ -18,7 +18,7 @@ from gate.attribution import Fixed
 VERDICTS = {0: "PASS", 1: "FAIL", 2: "UNSUPPORTED ROWS", 3: "TARGET FAILED", 4: "INCOMPLETE"}
 SHOWN = 8  # introduced counterexamples listed one by one on the terminal
 ORDER = ("introduced", "new", "harness error", "unavailable", "unsupported", "not covered",
-         "on base", "known", "holds")
+         "not run", "on base", "known", "holds")
 
 
 @dataclass
@@ -54,6 +54,8 @@ def _counts(run: GateRun) -> str:
     c = Counter(r["status"] for r in run.results)
     parts = [f"introduced {c['introduced'] + c['new']}", f"also on base {c['on base']}",
              f"fixed {len(run.fixed)}", f"hold {c['holds']}", f"not covered {c['not covered']}"]
+    if c["not run"]:
+        parts.append(f"not run (--fail-fast) {c['not run']}")
     if run.base is None:
         parts[1] = f"known {c['known']}"
     parts += [f"{k} {c[k]}" for k in ("unsupported", "unavailable", "harness error") if c[k]]

@@ -16,6 +16,7 @@ status         exit   meaning
 holds          0      every property held and every witness was reached
 not covered    4      it did not reach its witnesses in its share (or ran
                       out of budget): says which it lacked
+not run        4      not started: --fail-fast stopped the gate
 introduced     1 / 3  its counterexample (a crash: 3) fails on the target
                       only (:mod:`gate.attribution`)
 on base        0      its counterexample fails on the base the same way;
@@ -39,7 +40,7 @@ from typing import Any
 
 from gate.attribution import replay_on_base
 from gate.base import Base
-from gate.known import Finding, by_name, classify, classify_by_fix, known_findings
+from gate.known import Finding, by_name, known_findings, name_of
 from gate.matrix import spec_of
 
 VACUOUS_GRACE = 2.0  # a vacuous row's extra time, in shares (properties.jobs.fuzz_job)
@@ -61,9 +62,9 @@ def _save(out: dict, reports: Path) -> None:
     (d / f"{out['id']}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 
-def not_run(row: dict, reports: Path, why: str) -> dict:
+def not_run(row: dict, reports: Path, why: str, status: str = "not covered") -> dict:
     out = blank(row)
-    out.update(status="not covered", verdict="not covered (not started: " + why + ")",
+    out.update(status=status, verdict=f"{status} (not started: {why})",
                detail=why, vacuous=["any example"], exit=4)
     _save(out, reports)
     return out
@@ -134,21 +135,6 @@ def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int |
         return res
 
 
-def _name(res: Any, findings: list[Finding], release: str | None, slot: int,
-          deadline: float) -> tuple[str | None, str]:
-    """The known finding a counterexample on ``release`` is, and how it was
-    told: by its shape, else by a fix that clears it (any property)."""
-    known = classify(res, findings)
-    if known is not None:
-        return known, ""
-    if release and res.trace is not None and time.monotonic() < deadline:
-        known = classify_by_fix(res, findings, f"vllm@{release}", slot, any_text=True,
-                                deadline=deadline)
-        if known is not None:
-            return known, " (gone on its fix)"
-    return None, ""
-
-
 def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: int,
          findings: list[Finding], seed: int | None, base: Base | None, hard_end: float,
          out: dict) -> None:
@@ -179,10 +165,11 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
     out.update(prop=v.prop if v is not None else None,
                length=len(res.trace.events) if res.trace is not None else 0, detail=line)
     cdir = reports / "counterexamples"
-    on = None if base is None else replay_on_base(res, base, slot, min(10.0, seconds))
+    # the base's replays run in its worker 0, which the gate started first
+    on = None if base is None else replay_on_base(res, base, 0, min(10.0, seconds))
     release = base.release if base is not None else _release(row["target"])
     if on is None or on.fails:  # pre-existing (or, with no base, maybe known): name it
-        known, how = _name(res, findings, release, slot, hard_end)
+        known, how = name_of(res, findings, release, slot, hard_end)
         f = by_name(known, findings)
         if known is not None:
             out.update(known=known, known_label=f.label if f else known,
@@ -296,7 +283,7 @@ def run_rows(rows: list[dict], seconds: float, workers: int, db_path: str | None
             now = time.monotonic()
             share = (deadline - reserve - now) * workers / left
             if stop[0]:
-                r = not_run(rows[i], reports, "--fail-fast stopped the gate")
+                r = not_run(rows[i], reports, "--fail-fast stopped the gate", "not run")
             elif share < MIN_ROW_S and deadline - reserve - now < MIN_ROW_S:
                 r = not_run(rows[i], reports, "the budget ran out")
             else:

@@ -1,0 +1,246 @@
+"""The gate a reviewer runs: its base, attribution (introduced / also on base /
+fixed by this change), verdicts that do not depend on the machine's load,
+its few lines of output, and its bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gate.attribution import fixed_by_change, replay_on_base
+from gate.base import Base, changed_lines, default_base
+from gate.known import by_name, known_findings, name_of
+from gate.matrix import gate_matrix, narrow, row_id, target_label
+from gate.report import GateRun, summary, write_junit
+from gate.rows import exit_status
+from gate.run import fresh_run_dir
+from impl.target import Capabilities
+from model.events import Trace
+from properties.machine import FuzzResult, FuzzSpec, RunStats
+
+ROOT = Path(__file__).resolve().parent.parent
+KVCHECK = ROOT / "kvcheck"
+FIX_SHARERS = "findings/fixes/failed-load-recovery-preempted-sharers.diff"
+FIX_MAMBA = "findings/fixes/mamba-align-counts-loaded-state-block.diff"
+
+
+def gate(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    p = subprocess.run([sys.executable, str(KVCHECK), "gate", *args], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def result(status, i=0, length=None, prop=None, known=None, seconds=2.0, exit_=0, **kw):
+    r = {"id": f"row{i}", "target": "vllm@X", "kind": "sliding", "status": status,
+         "verdict": status, "detail": "property 1 (freed-while-read): block 4 ...",
+         "length": length, "prop": prop, "known": known, "known_label": known,
+         "examples": 10, "seconds": seconds, "exit": exit_, "ok": exit_ == 0, "vacuous": []}
+    r.update(kw)
+    return r
+
+
+# ------------------------------------------------------------------- matrix
+
+
+def test_row_ids_short_stable_and_without_path_or_policy():
+    caps = Capabilities(kinds=frozenset({"full", "sliding"}), fixed_policy="settled")
+    rows, _ = gate_matrix("vllm@/tmp/some/checkout", caps)
+    same, _ = gate_matrix("vllm@0.33.0", caps)
+    assert [r["id"] for r in rows] == [r["id"] for r in same]  # the folder is not in it
+    ids = {r["id"] for r in rows}
+    assert len(ids) == len(rows) and max(map(len, ids)) <= 40
+    assert "sliding-unordered-d3-k2-pc-fl" in ids and "full-ordered-d1-k0-nopc-nofl" in ids
+    assert not any("settled" in i or "/" in i for i in ids)
+    assert target_label("vllm@/tmp/pr") == "vllm-tree"
+    assert row_id("sliding", {"depth": 2}, "reference", "optimistic") == \
+        "reference-sliding-optimistic-d2"
+    assert [r["id"] for r in narrow(rows, ["sliding-ordered-d1-*"])] == [
+        "sliding-ordered-d1-k0-nopc-nofl", "sliding-ordered-d1-k0-pc-nofl",
+        "sliding-ordered-d1-k2-nopc-nofl", "sliding-ordered-d1-k2-pc-nofl"]
+    assert {r["kind"] for r in narrow(rows, kinds=["full"])} == {"full"}
+    assert all("-fl" in r["id"] for r in narrow(rows, ["-fl"]))
+
+
+# ----------------------------------------------------------- the verdicts
+
+
+def test_exit_status_and_verdict_words():
+    assert exit_status([result("holds"), result("on base")]) == 0
+    assert exit_status([result("holds"), result("not covered", exit_=4)]) == 4
+    assert exit_status([result("not covered", exit_=4), result("introduced", exit_=1)]) == 1
+    assert exit_status([result("introduced", exit_=1), result("introduced", exit_=3)]) == 3
+    base = Base("vllm@0.33.0", "given")
+    run = GateRun("vllm@/pr", base, None, 2, 3, 170, [result("introduced", exit_=3)], code=3)
+    assert run.verdict == "FAIL"  # an introduced crash fails, exit 3
+    assert GateRun("vllm@/pr", base, None, 2, 3, 170, [], code=3).verdict == "TARGET FAILED"
+    assert GateRun("vllm@/pr", base, None, 2, 3, 170, [], code=4).verdict == "INCOMPLETE"
+
+
+def test_summary_stays_within_60_lines_and_names_what_matters():
+    base = Base("vllm@0.33.0", "the release the checkout is laid over")
+    res = [result("introduced", i, length=3 + i % 5, prop=1, exit_=1,
+                  verdict="introduced: p1 (freed-while-read)",
+                  trace=f"/r/counterexamples/row{i}.json") for i in range(30)]
+    res += [result("on base", 100 + i, length=6, prop=2, known=f"finding {i % 12}",
+                   verdict="also on base: p2 (null-read)") for i in range(60)]
+    res += [result("not covered", 200 + i, exit_=4, vacuous=["rollback_near_free"],
+                   verdict="not covered (lacks rollback_near_free)") for i in range(40)]
+    res += [result("holds", 300 + i) for i in range(92)]
+    run = GateRun("vllm@/pr", base, None, 2, 3.0, 190, res, code=1)
+    lines = summary(run)
+    assert len(lines) <= 60, len(lines)
+    text = "\n".join(lines)
+    assert "introduced 30 · also on base 60 · fixed 0 · hold 92 · not covered 40" in text
+    assert "- row0: p1 (freed-while-read), 3 events" in text  # the shortest first
+    assert "and 22 more in gate.md" in text
+    assert "shortest counterexample: 3 events" in text
+    assert "rerun with --minutes" in text and "verdict: FAIL (exit 1)" in text
+    md = "\n".join(summary(run, md=True))
+    assert md.startswith("## gate vllm@/pr against base vllm@0.33.0") and "`row0`" in md
+
+
+def test_junit_fails_introduced_skips_not_covered(tmp_path):
+    path = tmp_path / "j.xml"
+    path.write_text("an earlier report")
+    write_junit([result("introduced", 0, exit_=1), result("not covered", 1, exit_=4),
+                 result("on base", 2), result("holds", 3)], path, "kvcheck-gate")
+    text = path.read_text()
+    assert text.count("<failure") == 1 and text.count("<skipped") == 1
+    assert 'failures="1"' in text and 'skipped="1"' in text
+
+
+def test_each_run_writes_a_fresh_folder_and_a_latest_link(tmp_path):
+    a = fresh_run_dir(tmp_path)
+    b = fresh_run_dir(tmp_path)
+    assert a != b and a.is_dir() and b.is_dir()
+    assert (tmp_path / "latest").resolve() == b.resolve()
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").write_text("the user's")
+    from gate.run import BudgetError
+
+    with pytest.raises(BudgetError, match="not kvcheck's link"):
+        fresh_run_dir(tmp_path)
+    assert (tmp_path / "latest").read_text() == "the user's"
+
+
+# ------------------------------------------------------------------- base
+
+
+def test_default_base():
+    assert default_base("vllm@0.33.0").same
+    b = default_base(f"vllm@0.33.0+{FIX_MAMBA}")
+    assert b.target == "vllm@0.33.0" and not b.same and b.release == "0.33.0"
+    assert default_base("reference").same
+
+
+@pytest.mark.vllm
+def test_checkout_without_git_is_compared_with_the_release_it_is_laid_over(tmp_path):
+    tree = tmp_path / "pr"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "--tree",
+                    "swa-window-one-short", str(tree)], check=True, capture_output=True)
+    b = default_base(f"vllm@{tree}")
+    assert b.target == "vllm@0.33.0" and not b.same and b.release == "0.33.0"
+    ch = changed_lines(f"vllm@{tree}", b.target)
+    assert list(ch.files) == ["vllm/v1/core/single_type_kv_cache_manager.py"]
+    assert ch.lines == 1 and "1 changed line in 1 file" in ch.text()
+
+
+# ---------------------------------------------------------- attribution
+
+
+def _res(name):
+    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    f = by_name(name)
+    spec = FuzzSpec(target="vllm@0.33.0", kind=t.config.groups[0].kind)
+    if f.prop is None:
+        return FuzzResult(spec, RunStats(), crash=f"ValueError: {f.text}", trace=t)
+    from properties.invariants import Violation
+
+    return FuzzResult(spec, RunStats(), violation=Violation(f.prop, f.text), trace=t)
+
+
+@pytest.mark.vllm
+def test_a_counterexample_is_introduced_only_where_the_base_holds():
+    res = _res("failed-load-recompute-reads-null-sliding")
+    assert replay_on_base(res, Base("vllm@0.33.0", "given")).fails  # pre-existing
+    fixed = replay_on_base(res, Base(f"vllm@0.33.0+{FIX_SHARERS}", "given"))
+    assert not fixed.fails  # seen against a base with the fix: the change brought it
+    assert replay_on_base(res, Base("x", "given", same=True)).fails
+
+
+@pytest.mark.vllm
+def test_fixed_by_this_change_and_the_known_name():
+    import time
+
+    base = Base("vllm@0.33.0", "given", release="0.33.0")
+    fixed, done, total = fixed_by_change(base, f"vllm@0.33.0+{FIX_MAMBA}",
+                                         time.monotonic() + 400)
+    assert done == total and total >= 20
+    names = {Path(f.trace).stem for f in fixed}
+    assert names == {"mamba-align-load-admits-one-block-short"}, names
+    assert fixed[0].label.startswith("finding 5, Mamba align") and "PR #46892" in fixed[0].label
+    # finding 5's crash with other numbers is named by its shape, everywhere
+    res = _res("mamba-align-load-admits-one-block-short")
+    res.crash = "ValueError: Cannot get 4 free blocks from the pool"
+    findings = known_findings()
+    assert name_of(res, findings, None) == ("mamba-align-load-admits-one-block-short", "")
+
+
+@pytest.mark.vllm
+def test_finding_3_seen_through_another_kind_is_named_by_its_fix():
+    t = Trace.load(ROOT / "traces" / "vllm" / "failed-load-in-flight-output-sliding-0.33.0.json")
+    from properties.jobs import replay_beside
+
+    rr = replay_beside(t, "vllm@0.33.0")
+    res = FuzzResult(FuzzSpec(target="vllm@0.33.0", kind="sliding"), RunStats(),
+                     violation=rr.first, trace=t)
+    known, how = name_of(res, known_findings(), "0.33.0")
+    assert by_name(known).number == 3 and how == " (gone on its fix)"
+
+
+# ------------------------------------------------------------ end to end
+
+
+@pytest.mark.vllm
+def test_gate_of_a_slip_fails_with_it_introduced_and_the_release_does_not(tmp_path):
+    tree = tmp_path / "pr"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "--tree",
+                    "swa-window-one-short", str(tree)], check=True, capture_output=True)
+    rows = ["sliding-ordered-d1-k0-*", "sliding-unordered-d1-k0-nopc-fl"]
+    args = ["--minutes", "1.5", "--seed", "1", "--workers", "1", "--quiet",
+            *[x for r in rows for x in ("--rows", r)]]
+    code, out, err = gate("--target", f"vllm@{tree}", "--base", "vllm@0.33.0",
+                          "--reports", str(tmp_path / "pr-reports"), *args)
+    assert code == 1, out + err
+    lines = out.strip().splitlines()
+    assert len(lines) <= 60 and lines[0].startswith(f"gate vllm@{tree} against base vllm@0.33.0")
+    assert "changed: 1 changed line in 1 file" in out
+    assert "introduced (fails on the target, holds on the base):" in out
+    assert "p1 (freed-while-read)" in out and lines[-1].startswith("verdict: FAIL (exit 1)")
+    g = json.loads((tmp_path / "pr-reports" / "latest" / "gate.json").read_text())
+    intro = [r for r in g["rows"] if r["status"] == "introduced"]
+    assert intro and all(r["known"] is None and Path(r["trace"]).is_file() for r in intro)
+    # the slip's own property (a window one short frees a block still read);
+    # finding 1's null read after a failed load is the base's, never the change's
+    assert all(r["prop"] == 1 for r in intro), [r["verdict"] for r in intro]
+
+    code, out, err = gate("--target", "vllm@0.33.0", "--reports",
+                          str(tmp_path / "base-reports"), *args)
+    assert code in (0, 4), out + err
+    assert "against base vllm@0.33.0 (the release itself" in out and "FAIL" not in out
+
+
+def test_bad_gate_input_is_one_line_and_exit_2(tmp_path):
+    for args, says in ((["--target", "vllm@0.33"], "not a release number"),
+                       (["--target", f"vllm@{tmp_path}/none"], "neither a vLLM release"),
+                       (["--target", "reference", "--minutes", "0.05"], "below the"),
+                       (["--target", "reference", "--rows", "nothing-like-this"], "no row"),
+                       (["--target", "reference", "--base", "vllm@0.33.0"], "not the engine")):
+        code, out, err = gate(*args, "--reports", str(tmp_path / "r"), timeout=120)
+        assert code == 2, (args, out, err)
+        assert len(err.strip().splitlines()) == 1 and says in err, (args, err)
+        assert "Traceback" not in err
