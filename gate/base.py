@@ -130,8 +130,8 @@ def given_base(target: str, base: str) -> Base:
 
         raise Unsupported(f"--base {base}: not the engine of --target {target}")
     same = same_tree(target, base)
-    return Base(base, "given" + (" (the target's own tree)" if same else ""), same,
-                release_of(base) if base.startswith("vllm@") else None)
+    why = "given" + (": the target's own tree, nothing can be introduced" if same else "")
+    return Base(base, why, same, release_of(base) if base.startswith("vllm@") else None)
 
 
 def _git(tree: Path, *args: str) -> str | None:

@@ -37,6 +37,7 @@ class GateRun:
     reports: Path | None = None
     junit: Path | None = None
     narrowed: str = ""  # how --rows / --kind narrowed the matrix
+    probe: Any = None  # gate.coverage.Probe: the changed lines the rows execute
 
     @property
     def verdict(self) -> str:
@@ -105,6 +106,14 @@ def summary(run: GateRun, md: bool = False) -> list[str]:
         out = ["## " + head, ""]
         if run.changes is not None and b is not None and not b.same:
             out.append(f"changed: {run.changes.text()}")
+    if run.probe is not None and run.changes is not None:
+        if md:
+            out.append(run.probe.text(run.changes))
+        missed = run.probe.missed(run.changes)
+        if missed:
+            out.append(f"not reached by any row: {', '.join(missed[:3])}"
+                       + (f" and {len(missed) - 3} more in gate.md" if len(missed) > 3 else "")
+                       + " (what the gate did not see)")
     ex = sum(r.get("examples", 0) for r in res)
     out.append(f"{len(res)} rows{run.narrowed} on {run.workers} worker(s), budget "
                f"{run.minutes:g} min; {ex:,} examples in {_clock(run.seconds)}")
@@ -219,6 +228,9 @@ def markdown(run: GateRun) -> str:
         if r.get("timeline"):
             md += ["", r["timeline"]]
         md.append("```")
+    if run.probe is not None and run.changes is not None and run.probe.missed(run.changes):
+        md += ["", "## Changed lines no row executed", ""]
+        md += [f"- `{m}`" for m in run.probe.missed(run.changes)]
     md += ["", "## All rows", "", table(run.results)]
     if run.notes:
         md += ["", "## Not in the matrix", ""] + [f"- {n}" for n in run.notes]

@@ -267,6 +267,12 @@ def run_rows(rows: list[dict], seconds: float, workers: int, db_path: str | None
     rows = [{**r, "unavailable": r.get("unavailable") or why.get(r["target"])} for r in rows]
     deadline = deadline if deadline is not None else t0 + seconds
     reserve = min(60.0, max(3.0, 0.08 * seconds))
+    # weights[i]: the weight of rows i, i+1, ... together
+    weights = [0.0] * len(rows)
+    acc = 0.0
+    for i in range(len(rows) - 1, -1, -1):
+        acc += rows[i].get("weight", 1.0)
+        weights[i] = acc
     results: dict[int, dict] = {}
     nxt = [0]
     stop = [False]
@@ -279,9 +285,11 @@ def run_rows(rows: list[dict], seconds: float, workers: int, db_path: str | None
                 if i >= len(rows):
                     return
                 nxt[0] += 1
-                left = len(rows) - i
+                left = weights[i]
             now = time.monotonic()
-            share = (deadline - reserve - now) * workers / left
+            # the time left over the rows left, by their weights (a row that
+            # executes changed lines has more: gate.coverage)
+            share = (deadline - reserve - now) * workers * rows[i].get("weight", 1.0) / left
             if stop[0]:
                 r = not_run(rows[i], reports, "--fail-fast stopped the gate", "not run")
             elif share < MIN_ROW_S and deadline - reserve - now < MIN_ROW_S:

@@ -115,6 +115,18 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
                                              time.monotonic() + FIXED_SHARE * budget)
         tried = (done, total)
 
+    probed = None
+    if changes.files and o.target.startswith("vllm@"):
+        from gate.base import _tree_of
+        from gate.coverage import prioritize, probe
+
+        if ticker is not None:
+            ticker.update("probing which rows execute the changed lines", force=True)
+        probed = probe(rows, changes, o.target, _tree_of(o.target).parent,
+                       deadline - time.monotonic(), workers, o.seed)
+        rows = prioritize(rows, probed)
+        say(probed.text(changes))
+
     def progress(done: list[dict], total: int) -> None:
         if ticker is None:
             return
@@ -133,12 +145,15 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
     code = exit_status(results)
     junit = Path(o.junit) if o.junit else reports / "junit.xml"
     run = GateRun(o.target, base, changes, workers, o.minutes, time.monotonic() - t0, results,
-                  fixed, tried, notes, code, reports, junit, narrowed)
+                  fixed, tried, notes, code, reports, junit, narrowed, probed)
     (reports / "gate.md").write_text(markdown(run))
     (reports / "gate.json").write_text(json.dumps(
         {"target": o.target, "base": base.target, "base_why": base.why, "exit": code,
          "verdict": run.verdict, "changed": changes.files,
-         "fixed": [f.__dict__ for f in fixed], "rows": results}, indent=1, default=str))
+         "fixed": [f.__dict__ for f in fixed],
+         "changed_lines_executed": None if probed is None else
+         {k: sorted(v) for k, v in probed.executed.items()}, "rows": results},
+        indent=1, default=str))
     write_junit(results, junit, "kvcheck-gate")
     for line in summary(run):
         say(line)

@@ -219,6 +219,7 @@ def test_gate_of_a_slip_fails_with_it_introduced_and_the_release_does_not(tmp_pa
     lines = out.strip().splitlines()
     assert len(lines) <= 60 and lines[0].startswith(f"gate vllm@{tree} against base vllm@0.33.0")
     assert "changed: 1 changed line in 1 file" in out
+    assert "changed lines executed: 1 of 1" in out  # the probe traced the slip's line
     assert "introduced (fails on the target, holds on the base):" in out
     assert "p1 (freed-while-read)" in out and lines[-1].startswith("verdict: FAIL (exit 1)")
     g = json.loads((tmp_path / "pr-reports" / "latest" / "gate.json").read_text())
@@ -244,3 +245,20 @@ def test_bad_gate_input_is_one_line_and_exit_2(tmp_path):
         assert code == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and says in err, (args, err)
         assert "Traceback" not in err
+
+
+def test_changed_lines_missed_and_rows_that_execute_them_first():
+    from gate.base import Changes
+    from gate.coverage import WEIGHT, Probe, prioritize
+
+    ch = Changes({"vllm/a.py": [3, 4, 5, 9], "vllm/b.py": [1]})
+    p = Probe({"vllm/a.py": {4}}, {("sliding", "ordered", False)}, 2, 1.0)
+    assert p.count() == 1 and "1 of 5" in p.text(ch)
+    assert p.missed(ch) == ["vllm/a.py:3", "vllm/a.py:5", "vllm/a.py:9", "vllm/b.py:1"]
+    caps = Capabilities(kinds=frozenset({"full", "sliding"}), fixed_policy="settled")
+    rows, _ = gate_matrix("vllm@0.33.0", caps)
+    out = prioritize(rows, p)
+    first = [r for r in out if r.get("executes_changes")]
+    assert len(out) == len(rows) and out[:len(first)] == first and first
+    assert all(r["kind"] == "sliding" and r["knobs"]["hazard"] == "ordered"
+               and r.get("weight") == WEIGHT for r in first)

@@ -1,0 +1,167 @@
+"""Time where the change is: which rows execute the lines that differ from
+the base.
+
+Before the rows run, the gate probes the matrix briefly with line tracing of
+the changed files on (``sys.settrace``, in the target's worker, only for the
+probe): one probe per kind x hazard x failed loads, the widest row of that
+group (depth 2, drafts, prefix caching where the kind takes it). Rows of a
+group whose probe executed a changed line run first and get a larger share
+of the budget. The probes take at most a tenth of the budget; what no probe
+reached is listed (what the gate did not see).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gate.base import Changes
+
+PROBE_SHARE = 0.1  # of the budget, at most
+WEIGHT = 3.0  # a row that executes changed lines gets this many shares
+
+
+def _group(row: dict) -> tuple:
+    k = row.get("knobs") or {}
+    return (row["kind"], k.get("hazard"), bool(k.get("failed_loads")))
+
+
+def _widest(rows: list[dict]) -> dict:
+    def score(r: dict) -> tuple:
+        k = r.get("knobs") or {}
+        return (k.get("depth") == 2, bool(k.get("spec_tokens")), bool(k.get("prefix_caching")))
+
+    return max(rows, key=score)
+
+
+def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
+              seed: int | None = None) -> dict[str, list[int]]:
+    """In a worker beside the target: fuzz ``spec`` for ``seconds`` with the
+    lines ``files`` (``vllm/REL`` -> line numbers, under ``tree``) traced;
+    the lines executed, per file."""
+    from properties.jobs import fuzz_job
+
+    root = Path(tree)
+    watched: dict[str, tuple[str, set[int]]] = {}
+    for rel, lines in files.items():
+        for p in {str(root / rel), str((root / rel).resolve())}:
+            watched[p] = (rel, set(lines))
+    hits: dict[str, set[int]] = {rel: set() for rel in files}
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            rel, lines = watched[frame.f_code.co_filename]
+            if frame.f_lineno in lines:
+                hits[rel].add(frame.f_lineno)
+        return local
+
+    def global_(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename in watched:
+            return local
+        return None
+
+    old = sys.gettrace()
+    sys.settrace(global_)
+    threading.settrace(global_)
+    try:
+        fuzz_job(spec, 10**7, seed, None, seconds, 0, False)
+    finally:
+        sys.settrace(old)
+        threading.settrace(None)  # type: ignore[arg-type]
+    return {rel: sorted(v) for rel, v in hits.items()}
+
+
+@dataclass
+class Probe:
+    executed: dict[str, set[int]] = field(default_factory=dict)
+    groups_hit: set[tuple] = field(default_factory=set)
+    probes: int = 0
+    seconds: float = 0.0
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.executed.values())
+
+    def missed(self, changes: Changes) -> list[str]:
+        """``file:lines`` ranges no probe executed."""
+        out = []
+        for rel, lines in sorted(changes.files.items()):
+            rest = [n for n in lines if n not in self.executed.get(rel, set())]
+            i = 0
+            while i < len(rest):
+                j = i
+                while j + 1 < len(rest) and rest[j + 1] == rest[j] + 1:
+                    j += 1
+                out.append(f"{rel}:{rest[i]}" + (f"-{rest[j]}" if j > i else ""))
+                i = j + 1
+        return out
+
+    def text(self, changes: Changes) -> str:
+        return (f"changed lines executed: {self.count()} of {changes.lines} "
+                f"({self.probes} probes, {self.seconds:.0f} s; their rows run first)")
+
+
+def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: float,
+          workers: int, seed: int | None = None) -> Probe:
+    """Probe one row of each group for its share of :data:`PROBE_SHARE` of
+    the budget, ``workers`` at once."""
+    from dataclasses import replace
+
+    from gate.matrix import spec_of
+    from impl.target import fit_spec, make_target
+    from properties.jobs import _call
+
+    t0 = time.monotonic()
+    out = Probe()
+    if not changes.files:
+        return out
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_group(r), []).append(r)
+    plan = [(g, _widest(rs)) for g, rs in groups.items()]
+    each = max(0.5, PROBE_SHARE * budget * workers / max(1, len(plan)) - 0.5)
+    caps = make_target(target).capabilities
+    lock = threading.Lock()
+    todo = list(plan)
+
+    def loop(slot: int) -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                g, row = todo.pop(0)
+            spec = replace(spec_of(row))
+            try:
+                fit_spec(target, caps, spec)
+                got = _call(target, slot, "gate.coverage:probe_job",
+                            (spec, changes.files, str(tree), each, seed))
+            except Exception:  # noqa: BLE001 - a probe that fails says nothing; its row runs
+                continue
+            with lock:
+                out.probes += 1
+                for rel, lines in got.items():
+                    out.executed.setdefault(rel, set()).update(lines)
+                    if lines:
+                        out.groups_hit.add(g)
+
+    threads = [threading.Thread(target=loop, args=(s,), daemon=True) for s in range(workers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def prioritize(rows: list[dict], p: Probe) -> list[dict]:
+    """Rows whose group executed a changed line first, with :data:`WEIGHT`
+    shares each; the others after them, one share each (stable order)."""
+    if not p.groups_hit:
+        return rows
+    hit = [{**r, "weight": WEIGHT, "executes_changes": True} for r in rows
+           if _group(r) in p.groups_hit]
+    rest = [r for r in rows if _group(r) not in p.groups_hit]
+    return hit + rest
