@@ -298,8 +298,11 @@ def test_apply_many_equals_apply():
 def test_unsupported_versions_and_events():
     with pytest.raises(TargetError, match="not supported"):
         make_target("vllm@0.24.0")
-    with pytest.raises(TargetError, match="neither"):
+    # a folder that is not there, or a release number cut short, is bad input (exit 2)
+    with pytest.raises(Unsupported, match="neither"):
         make_target("vllm@/nonexistent/checkout")
+    with pytest.raises(Unsupported, match="not a release number"):
+        make_target("vllm@0.33")
     t = target(FIXED)
     t.reset(config_for("sliding", window=16, block_size=16, hazard="ordered"))
     ev = AddRequest("r0", 40, 4, external_tokens=16)
