@@ -36,6 +36,9 @@ def add_parser(sub: Any) -> None:
                    help="only rows of this kind; repeatable")
     g.add_argument("--fail-fast", action="store_true",
                    help="start no row after the first introduced counterexample")
+    g.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="do not probe which rows execute the changed lines: every row gets "
+                        "an even share of the budget")
     g.add_argument("--workers", type=int, default=None, metavar="N",
                    help="rows at once, each in a worker beside the target (default: one per core)")
     g.add_argument("--seed", type=int, default=None)
@@ -69,7 +72,7 @@ def cmd_gate(a: Any) -> int:
             raise UsageError(f"--junit {a.junit}: is a folder; name a file")
         usable_out(str(Path(a.junit).parent or "."), "--junit")
     opts = GateOptions(a.target, a.base, a.minutes, a.workers, a.seed, a.db, a.reports,
-                       a.junit, a.rows, a.kind, a.fail_fast, a.quiet)
+                       a.junit, a.rows, a.kind, a.fail_fast, a.quiet, a.probe)
     ticker = None if a.quiet else Ticker()
     try:
         return run_gate(opts, say=lambda line: print(line, flush=True), ticker=ticker)

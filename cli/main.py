@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--props", default="1,2,3,4,5,6,7", metavar="LIST",
                    help="the properties to enforce, e.g. 2 to look for null reads past "
                         "freed-while-read (default all)")
+    f.add_argument("--base", default=None, metavar="TARGET",
+                   help="replay a counterexample on this base too (vllm@VERSION, vllm@PATH): "
+                        "introduced (fails on the target only: exit 1 / 3) or also on the "
+                        "base (pre-existing: exit 0), as the gate attributes it")
     f.add_argument("--quiet", action="store_true")
     f.add_argument("--json", default=None, metavar="PATH",
                    help="also write the run's result to PATH, a new file, as JSON: verdict, "
@@ -125,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attention", action="store_true",
                    help="also replay through real attention (CUDA where present, else CPU)")
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    r.add_argument("--base", default=None, metavar="TARGET",
+                   help="replay the trace on this base too: introduced (fails on the target "
+                        "only: exit 1 / 3), also on the base (exit 0), fixed by the target "
+                        "(fails on the base only: exit 0)")
     r.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="after a violation write counterexamples/<name>.png and "
                         "counterexamples/test_<name>.py (a pytest reproducer); default on")
@@ -231,6 +239,7 @@ def cmd_fuzz(a) -> int:
 
     target = make_target(a.target)
     _check_capabilities(target, spec)
+    base = _base_of(a)
     progress = None
     if not a.quiet:
         from report.progress import Progress
@@ -265,8 +274,10 @@ def cmd_fuzz(a) -> int:
         if path:
             print(f"trace saved: {path} ({len(res.trace.events)} events, the last one the "
                   f"event the target failed on)")
-        _write_json(a.json, res.to_json(trace_path=str(path) if path else None))
-        return EXIT_TARGET
+        pre = _say_on_base(res, base)
+        _write_json(a.json, _attributed(res.to_json(trace_path=str(path) if path else None),
+                                        base, pre))
+        return EXIT_OK if pre else EXIT_TARGET
     if verdict == "violation":
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
         rr = replay_beside(res.trace, a.target)  # the shrunk trace, as it is saved
@@ -279,14 +290,70 @@ def cmd_fuzz(a) -> int:
         print(f"trace saved: {rep.trace}")
         print(f"replay: ./kvcheck replay {rep.trace} --target {a.target}")
         _print_report_paths(rep)
-        _write_json(a.json, res.to_json(violation=v, trace_path=str(rep.trace)))
-        return EXIT_VIOLATION
+        pre = _say_on_base(res, base)
+        _write_json(a.json, _attributed(res.to_json(violation=v, trace_path=str(rep.trace)),
+                                        base, pre))
+        return EXIT_OK if pre else EXIT_VIOLATION
     _write_json(a.json, res.to_json())
     if verdict == "vacuous":
         print(f"verdict: VACUOUS (never reached: {', '.join(res.vacuous)})")
         return EXIT_VIOLATION
     print("verdict: all properties hold")
     return EXIT_OK
+
+
+def _base_of(a):
+    """``--base``, checked before any run (gate.base.given_base): None without one."""
+    if a.base is None:
+        return None
+    if not a.base.strip():
+        raise UsageError("--base '': name a target (vllm@VERSION, vllm@PATH)")
+    from gate.base import given_base
+
+    return given_base(a.target, a.base)
+
+
+def _say_on_base(res, base) -> bool:
+    """With ``--base``: the counterexample replayed on the base, said in one
+    line (gate.attribution); True where the base fails the same way."""
+    if base is None:
+        return False
+    from gate.attribution import replay_on_base
+
+    on = replay_on_base(res, base)
+    if base.same:
+        print(f"base {base.target}: the target's own tree, nothing can be introduced")
+    elif on.fails:
+        print(f"also on base {base.target}: it fails the same way there (pre-existing, "
+              f"not the target's change; exit 0)")
+    else:
+        print(f"introduced: the base {base.target} holds on it"
+              + (f" ({on.note})" if on.note else ""))
+    return on.fails
+
+
+def _attributed(result: dict, base, pre: bool) -> dict:
+    """The --json result with the base's word: ``attribution`` is
+    ``introduced`` or ``on base`` (absent without --base)."""
+    if base is not None:
+        result.update(base=base.target, attribution="on base" if pre else "introduced")
+    return result
+
+
+def _say_fixed(trace, base) -> None:
+    """A trace that holds on the target, replayed on the base: fixed by the
+    target where the base fails on it."""
+    from gate.attribution import _crash_text, _replay
+
+    rb = _replay(trace, base.target)
+    if rb.crash is not None:
+        print(f"fixed by the target: the base {base.target} crashes on it "
+              f"({_crash_text(rb.crash)})")
+    elif rb.first is not None:
+        print(f"fixed by the target: the base {base.target} violates property "
+              f"{rb.first.prop} ({rb.first.name}) on it")
+    else:
+        print(f"the base {base.target} holds on it too")
 
 
 def _say_known(res, target: str) -> None:
@@ -460,6 +527,8 @@ def cmd_replay(a) -> int:
     from impl.target import make_target
 
     make_target(target)  # an unknown target or vLLM: one line, before a worker starts
+    a.target = target
+    base = _base_of(a)
     # replayed and drawn beside the target: only the timeline and the picture's
     # grid come back, not a row per event
     got = replay_beside(trace, target, job="report.report:replay_shown_job")
@@ -487,6 +556,15 @@ def cmd_replay(a) -> int:
             _print_report(rr, Path("counterexamples"), stem, target, grid)
     else:
         print(f"verdict: {rr.held()}")
+    if base is not None:
+        from types import SimpleNamespace
+
+        if rr.crash or rr.first is not None:
+            if _say_on_base(SimpleNamespace(crash=rr.crash, violation=rr.first, trace=trace,
+                                            spec=None), base):
+                code = EXIT_OK
+        elif not base.same:
+            _say_fixed(trace, base)
     if a.attention:
         from confirm.attention import format_report, replay_attention
 

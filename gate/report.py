@@ -53,8 +53,9 @@ def _clock(s: float) -> str:
 
 def _counts(run: GateRun) -> str:
     c = Counter(r["status"] for r in run.results)
+    fixed = len(run.fixed) + sum(1 for r in run.results if r.get("fixed_from_base"))
     parts = [f"introduced {c['introduced'] + c['new']}", f"also on base {c['on base']}",
-             f"fixed {len(run.fixed)}", f"hold {c['holds']}", f"not covered {c['not covered']}"]
+             f"fixed {fixed}", f"hold {c['holds']}", f"not covered {c['not covered']}"]
     if c["not run"]:
         parts.append(f"not run (--fail-fast) {c['not run']}")
     if run.base is None:
@@ -157,6 +158,12 @@ def summary(run: GateRun, md: bool = False) -> list[str]:
                 + ("" if run.fixed else " none")]
         out += [f"- {f.label}: {code(f.trace)} ({f.base_failure} on the base)"
                 for f in run.fixed[:6]]
+        db = [r for r in res if r.get("fixed_from_base")]
+        if db:
+            n = sum(r["fixed_from_base"] for r in db)
+            out.append(f"- {n} failure(s) the database holds for the base hold on the target "
+                       f"(rows {', '.join(r['id'] for r in db[:3])}"
+                       + (" ..." if len(db) > 3 else "") + ")")
     nc = [r for r in res if r["status"] == "not covered"]
     if nc:
         lack = Counter(w for r in nc for w in (r.get("vacuous") or []))

@@ -53,7 +53,8 @@ def blank(row: dict) -> dict:
             "examples_per_s": 0.0, "events": {}, "witnesses": {}, "expected": [],
             "vacuous": [], "seconds": 0.0, "examples_to_fail": None,
             "replayed_from_database": 0, "trace": None, "png": None, "reproducer": None,
-            "base_note": "", "timeline": None, "exit": 0}
+            "base_note": "", "timeline": None, "exit": 0, "borrowed_from_base": 0,
+            "fixed_from_base": 0}
 
 
 def _save(out: dict, reports: Path) -> None:
@@ -108,7 +109,7 @@ def run_row(row: dict, seconds: float, db_path: str | None, reports: Path, slot:
 
 
 def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int | None,
-          hard_end: float) -> Any:
+          hard_end: float, base: Base | None = None) -> Any:
     from impl.target import fit_spec, make_target
     from properties.jobs import WorkerGone, _call
     from properties.machine import FuzzResult, RunStats
@@ -124,7 +125,9 @@ def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int |
         # properties/minimize.py): the rows after it keep their time
         return _call(row["target"], slot, "properties.jobs:fuzz_job",
                      (spec, 10**7, seed, db_path, seconds, 0, True, None,
-                      max(1.0, min(seconds, 0.5 * (left - seconds))), grace))
+                      max(1.0, min(seconds, 0.5 * (left - seconds))), grace,
+                      # the failures the database holds for this row on the base
+                      None if base is None or base.same else base.target))
     except WorkerGone as e:  # it died or hung: the trace from its flight recorder
         from model.events import Trace
 
@@ -138,8 +141,9 @@ def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int |
 def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: int,
          findings: list[Finding], seed: int | None, base: Base | None, hard_end: float,
          out: dict) -> None:
-    res = _fuzz(row, seconds, db_path, slot, seed, hard_end)
+    res = _fuzz(row, seconds, db_path, slot, seed, hard_end, base)
     st = res.stats
+    out["borrowed_from_base"] = res.borrowed_from_base
     out.update(examples=st.examples, events=dict(st.events), witnesses=dict(st.witness),
                expected=sorted(st.expected),
                examples_per_s=round(st.examples / max(res.seconds, 1e-3), 1),
@@ -156,6 +160,8 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
                        verdict=f"not covered (lacks {', '.join(lack)})",
                        detail=f"{st.examples} examples in {res.seconds:.0f}s never reached: "
                               f"{', '.join(lack)}")
+        if res.borrowed_from_base:  # the base's saved failures: none fails here
+            out["fixed_from_base"] = res.borrowed_from_base
         return
     crash = verdict == "crashed"
     v = res.violation
@@ -253,14 +259,18 @@ def run_rows(rows: list[dict], seconds: float, workers: int, db_path: str | None
              reports: Path, log: Any = None, seed: int | None = None,
              base: Base | None = None, fail_fast: bool = False,
              on_progress: Any = None, deadline: float | None = None,
-             findings: list[Finding] | None = None) -> list[dict]:
+             findings: list[Finding] | None = None, origin: float | None = None
+             ) -> list[dict]:
     """Every row, ``workers`` at once, within about ``seconds`` (the workers'
     start-up included), ending by ``deadline`` (time.monotonic) when given; a
     row gets the time left divided among the rows left, less a reserve for
     shrinking, attribution and reports. ``fail_fast``: no row starts after an
     introduced (or, without a base, new) counterexample. ``log(line)`` per
-    finished row; ``on_progress(results so far)``."""
+    finished row; ``on_progress(results so far)``. Each result's ``ended_s``:
+    when the row ended, in seconds from ``origin`` (time.monotonic; default:
+    this call)."""
     t0 = time.monotonic()
+    origin = t0 if origin is None else origin
     findings = known_findings() if findings is None else findings
     targets = sorted({r["target"] for r in rows if not r.get("unavailable")})
     why = warm(targets, workers)
@@ -297,6 +307,7 @@ def run_rows(rows: list[dict], seconds: float, workers: int, db_path: str | None
             else:
                 r = run_row(rows[i], max(MIN_ROW_S, share), db_path, reports, slot,
                             findings, seed, base, hard_end=deadline - reserve / 2)
+            r["ended_s"] = round(time.monotonic() - origin, 1)
             with lock:
                 results[i] = r
                 if fail_fast and r["status"] in ("introduced", "new"):

@@ -50,6 +50,7 @@ class GateOptions:
     kinds: list[str] = field(default_factory=list)
     fail_fast: bool = False
     quiet: bool = False
+    probe: bool = True  # time where the change is (gate.coverage); off: even shares
 
 
 def min_budget(target: str) -> float:
@@ -90,8 +91,9 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
     target = make_target(o.target)  # an unknown or missing vLLM: exit 2 / 3 here
     base = given_base(o.target, o.base) if o.base else default_base(o.target)
     workers = o.workers or default_workers()
-    probe = getattr(target, "hybrid_failed_loads", None)
-    hybrid_loads = "hybrid" in target.capabilities.kinds and probe is not None and probe()
+    hybrid_probe = getattr(target, "hybrid_failed_loads", None)
+    hybrid_loads = ("hybrid" in target.capabilities.kinds and hybrid_probe is not None
+                    and hybrid_probe())
     rows, notes = gate_matrix(o.target, target.capabilities, hybrid_failed_loads=hybrid_loads)
     everything = len(rows)
     rows = narrow(rows, o.rows, o.kinds)
@@ -116,7 +118,7 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
         tried = (done, total)
 
     probed = None
-    if changes.files and o.target.startswith("vllm@"):
+    if o.probe and changes.files and o.target.startswith("vllm@"):
         from gate.base import _tree_of
         from gate.coverage import prioritize, probe
 
@@ -138,7 +140,7 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
 
     results = run_rows(rows, deadline - time.monotonic(), workers, db, reports,
                        seed=o.seed, base=base, fail_fast=o.fail_fast, on_progress=progress,
-                       deadline=deadline, findings=findings,
+                       deadline=deadline, findings=findings, origin=t0,
                        log=None if o.quiet or ticker is not None else None)
     if ticker is not None:
         ticker.close()

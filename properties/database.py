@@ -77,30 +77,48 @@ def open_database(path: str | Path | None = None):
     return DirectoryBasedExampleDatabase(str(p))
 
 
-def recording(inner):
+def recording(inner, borrow: dict[bytes, bytes] | None = None):
     """``inner`` wrapped to count the saved examples Hypothesis fetched to
-    replay (``.replayed``; its primary corpus, not the secondary or pareto ones)."""
+    replay (``.replayed``; its primary corpus, not the secondary or pareto
+    ones). ``borrow`` {key: other key}: a fetch of ``key`` also yields the
+    failures saved under the other key (the same setting on the gate's base),
+    so they are replayed first; they are counted in ``.borrowed`` and never
+    deleted or moved (they stay the base's)."""
     from hypothesis.database import ExampleDatabase
+
+    borrow = borrow or {}
 
     class RecordingDatabase(ExampleDatabase):
         def __init__(self) -> None:
             super().__init__()
             self.inner = inner
             self.replayed = 0
+            self.lent: set[bytes] = set()
+
+        @property
+        def borrowed(self) -> int:
+            return len(self.lent)
 
         def fetch(self, key: bytes):
             values = list(self.inner.fetch(key))
             if not key.endswith((b".secondary", b".pareto")):
                 self.replayed += len(values)
+            if key in borrow:
+                own = set(values)
+                extra = [v for v in self.inner.fetch(borrow[key]) if v not in own]
+                self.lent.update(extra)
+                values += extra
             yield from values
 
         def save(self, key: bytes, value: bytes) -> None:
             self.inner.save(key, value)
 
         def delete(self, key: bytes, value: bytes) -> None:
-            self.inner.delete(key, value)
+            if value not in self.lent:
+                self.inner.delete(key, value)
 
         def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-            self.inner.move(src, dest, value)
+            if value not in self.lent:
+                self.inner.move(src, dest, value)
 
     return RecordingDatabase()

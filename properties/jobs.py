@@ -63,13 +63,15 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
              db_path: str | None = None, seconds: float | None = None,
              attention_every: int = 0, minimize: bool = True,
              stop_file: str | None = None, shrink_seconds: float | None = None,
-             vacuous_grace: float = 0.0) -> FuzzResult:
+             vacuous_grace: float = 0.0, borrow: str | None = None) -> FuzzResult:
     """One Hypothesis run beside the target (in a worker); ``seconds``: stop
     starting examples after that long, or once ``stop_file`` exists (a
     verdict found by then is shrunk, for at most ``shrink_seconds`` when
     given: :func:`properties.machine.fuzz`). ``vacuous_grace``: a run that
     has not yet reached every witness its configs can produce goes on past
-    ``seconds`` for up to that many times ``seconds`` more."""
+    ``seconds`` for up to that many times ``seconds`` more. ``borrow``: the
+    gate's base; the failures the database holds for the same setting on it
+    are replayed first (``FuzzResult.borrowed_from_base``)."""
     from impl.target import fit_spec, make_target
     from impl.worker import progress
     from properties.machine import fuzz
@@ -80,7 +82,14 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
     if db_path is not None:
         from properties.database import open_database, recording
 
-        db = recording(open_database(db_path))
+        keys = {}
+        if borrow is not None and borrow != spec.target:
+            from dataclasses import replace
+
+            from properties.machine import database_key
+
+            keys[database_key(spec, target)] = database_key(replace(spec, target=borrow), target)
+        db = recording(open_database(db_path), keys)
     sampler = _Sampler(attention_every, spec.target) if attention_every else None
     end = None if seconds is None else time.monotonic() + seconds
     grace_end = None if seconds is None else time.monotonic() + seconds * (1 + vacuous_grace)
@@ -119,6 +128,7 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
         res.examples_to_fail = seen[1] or seen[0]
     if db is not None:
         res.replayed_from_database = db.replayed
+        res.borrowed_from_base = db.borrowed
     return res
 
 

@@ -637,6 +637,18 @@ def make_machine(spec: FuzzSpec, target: Target) -> type[KVMachine]:
                                 "setup": setup})
 
 
+def database_key(spec: FuzzSpec, target: Target | None = None) -> bytes:
+    """The key Hypothesis files a fuzz setting's examples under: the digest
+    of its state-machine test, which differs between settings by the
+    machine's name alone (:func:`make_machine`). Its test in tests/test_gate.py
+    holds it to the key Hypothesis itself saves under."""
+    from hypothesis.internal.reflection import function_digest
+    from hypothesis.stateful import get_state_machine_test
+
+    test = get_state_machine_test(make_machine(spec, target))
+    return function_digest(test.hypothesis.inner_test)
+
+
 @dataclass
 class FuzzResult:
     spec: FuzzSpec
@@ -650,6 +662,9 @@ class FuzzResult:
     workers: int = 1
     examples_to_fail: int | None = None  # examples run up to the first failing one
     replayed_from_database: int = 0  # saved examples fetched to replay first
+    # the base's saved failures replayed first (jobs.fuzz_job(borrow=...)); a
+    # run that holds held on every one of them
+    borrowed_from_base: int = 0
     # the counterexample's length as Hypothesis shrank it, before
     # properties/minimize.py (what a run without that pass would report)
     shrunk_events: int | None = None

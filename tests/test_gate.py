@@ -262,3 +262,77 @@ def test_changed_lines_missed_and_rows_that_execute_them_first():
     assert len(out) == len(rows) and out[:len(first)] == first and first
     assert all(r["kind"] == "sliding" and r["knobs"]["hazard"] == "ordered"
                and r.get("weight") == WEIGHT for r in first)
+
+
+# ------------------------------------------------ fuzz --base, replay --base
+
+
+def kvcheck(*args, timeout=600, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    p = subprocess.run([sys.executable, str(KVCHECK), *args], capture_output=True, text=True,
+                       cwd=cwd, env=env, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.vllm
+def test_replay_with_a_base_says_introduced_on_base_or_fixed(tmp_path):
+    trace = str(ROOT / "findings" / "failed-load-recompute-reads-null-sliding.json")
+    fixed = f"vllm@0.33.0+{ROOT / FIX_SHARERS}"
+    code, out, err = kvcheck("replay", trace, "--target", "vllm@0.33.0", "--base", fixed,
+                             "--no-report", cwd=tmp_path)
+    assert code == 1 and f"introduced: the base {fixed} holds on it" in out, out + err
+    code, out, err = kvcheck("replay", trace, "--target", fixed, "--base", "vllm@0.33.0",
+                             "--no-report", cwd=tmp_path)
+    assert code == 0, out + err
+    assert "fixed by the target: the base vllm@0.33.0 violates property 2 (null-read)" in out
+    code, out, err = kvcheck("replay", trace, "--target", "vllm@0.33.0",
+                             "--base", f"vllm@0.33.0+{ROOT / FIX_MAMBA}", "--no-report",
+                             cwd=tmp_path)
+    assert code == 0 and "also on base" in out, out + err  # another fix: still there
+    code, out, err = kvcheck("replay", trace, "--target", "vllm@0.33.0", "--base", "reference",
+                             cwd=tmp_path)
+    assert code == 2 and "not the engine" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.vllm
+def test_fuzz_with_a_base_attributes_its_counterexample(tmp_path):
+    tree = tmp_path / "pr"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "--tree",
+                    "swa-window-one-short", str(tree)], check=True, capture_output=True)
+    args = ["fuzz", "--kind", "sliding", "--depth", "1", "--seed", "1", "--workers", "1",
+            "--quiet", "--no-report"]
+    # the slip, against the release it is laid over: introduced
+    code, out, err = kvcheck(*args, "--no-failed-loads", "--target", f"vllm@{tree}",
+                             "--base", "vllm@0.33.0", "--out", str(tmp_path / "a"),
+                             "--json", str(tmp_path / "a.json"))
+    assert code == 1, out + err
+    assert "introduced: the base vllm@0.33.0 holds on it" in out
+    assert json.loads((tmp_path / "a.json").read_text())["attribution"] == "introduced"
+    # finding 1 on the release, against a base with another finding's fix: on base
+    other = f"vllm@0.33.0+{ROOT / FIX_MAMBA}"
+    code, out, err = kvcheck(*args, "--target", "vllm@0.33.0", "--base", other,
+                             "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json"))
+    assert code == 0, out + err
+    assert "known: finding 1" in out and f"also on base {other}" in out
+    assert json.loads((tmp_path / "b.json").read_text())["attribution"] == "on base"
+
+
+def test_the_bases_saved_failures_are_replayed_first_and_kept(tmp_path):
+    from properties.database import open_database, recording
+    from properties.machine import database_key, fuzz
+
+    failing = FuzzSpec(target="reference", kind="sliding", policy="optimistic", depth=2)
+    res = fuzz(failing, examples=300, seed=3, database=open_database(tmp_path / "db"))
+    assert res.violation is not None
+    key = database_key(failing)
+    saved = list(open_database(tmp_path / "db").fetch(key))
+    assert saved  # the key Hypothesis itself filed the failure under
+    holding = FuzzSpec(target="reference", kind="sliding", policy="settled", depth=2)
+    db = recording(open_database(tmp_path / "db"), {database_key(holding): key})
+    again = fuzz(holding, examples=20, seed=3, database=db)
+    assert again.violation is None and again.crash is None
+    assert db.borrowed == len(saved) and db.replayed == 0
+    assert sorted(open_database(tmp_path / "db").fetch(key)) == sorted(saved)  # still its own
+    db = recording(open_database(tmp_path / "db"), {key: key + b"-none"})
+    assert fuzz(failing, examples=20, seed=4, database=db).violation is not None
+    assert db.replayed >= 1 and db.borrowed == 0
