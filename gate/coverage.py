@@ -41,8 +41,11 @@ def _widest(rows: list[dict]) -> dict:
 def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
               seed: int | None = None) -> dict[str, list[int]]:
     """In a worker beside the target: fuzz ``spec`` for ``seconds`` with the
-    lines ``files`` (``vllm/REL`` -> line numbers, under ``tree``) traced;
-    the lines executed, per file."""
+    lines ``files`` (``vllm/REL`` -> line numbers, under ``tree``) traced, or
+    until every one of them has run; the lines executed, per file."""
+    import os
+    import tempfile
+
     from properties.jobs import fuzz_job
 
     root = Path(tree)
@@ -51,12 +54,19 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
         for p in {str(root / rel), str((root / rel).resolve())}:
             watched[p] = (rel, set(lines))
     hits: dict[str, set[int]] = {rel: set() for rel in files}
+    left = [sum(len(set(v)) for v in files.values())]
+    fd, stop = tempfile.mkstemp(prefix="kvcheck-probe-")
+    os.close(fd)
+    os.unlink(stop)  # created once every changed line has run: the probe ends
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         if event == "line":
             rel, lines = watched[frame.f_code.co_filename]
-            if frame.f_lineno in lines:
+            if frame.f_lineno in lines and frame.f_lineno not in hits[rel]:
                 hits[rel].add(frame.f_lineno)
+                left[0] -= 1
+                if left[0] == 0:
+                    open(stop, "w").close()
         return local
 
     def global_(frame: Any, event: str, arg: Any) -> Any:
@@ -68,10 +78,18 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
     sys.settrace(global_)
     threading.settrace(global_)
     try:
-        fuzz_job(spec, 10**7, seed, None, seconds, 0, False)
+        # a failure is not shrunk (the probe wants the lines, the row its
+        # counterexample) and the probe goes on with the next seed
+        end, n = time.monotonic() + seconds, 0
+        while left[0] and time.monotonic() < end - 0.2:
+            fuzz_job(spec, 10**7, None if seed is None else seed + n, None,
+                     end - time.monotonic(), 0, False, stop, 0.1)
+            n += 1
     finally:
         sys.settrace(old)
         threading.settrace(None)  # type: ignore[arg-type]
+        if os.path.exists(stop):
+            os.unlink(stop)
     return {rel: sorted(v) for rel, v in hits.items()}
 
 

@@ -64,7 +64,8 @@ def gate_one(m: M.Mutant, mode: str, minutes: float, seed: int, work: Path) -> d
     row = {"mutant": m.name, "mode": mode, "wanted": m.outcome, "expect": sorted(m.expect),
            "exit": p.returncode, "wall_s": wall, "minutes": minutes, "seed": seed,
            "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-           "load": round(os.getloadavg()[0], 1), "lines": len(p.stdout.splitlines())}
+           "load": round(os.getloadavg()[0], 1), "lines": len(p.stdout.splitlines()),
+           "commit": _commit()}
     js = reports / "latest" / "gate.json"
     if not js.is_file():
         row.update(verdict="ERROR", note=" ".join((p.stdout + p.stderr).split())[-300:])
@@ -79,6 +80,12 @@ def gate_one(m: M.Mutant, mode: str, minutes: float, seed: int, work: Path) -> d
                first_row=min(intro, key=lambda r: r["ended_s"])["id"] if intro else None,
                known_introduced=_known_among(intro))
     return row
+
+
+def _commit() -> str:
+    r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "?"
 
 
 def _known_among(intro: list[dict]) -> list[str]:
