@@ -103,17 +103,46 @@ def finding_traces(folder: Path = FINDINGS) -> list[Path]:
     return sorted(folder.glob("*.json"))
 
 
+def _fix_files(diff: str | None) -> set[str]:
+    """The files a fix diff edits (``vllm/...``)."""
+    try:
+        text = (FINDINGS.parent / diff).read_text() if diff else ""
+    except OSError:
+        return set()
+    return set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M))
+
+
+def likely_first(paths: list[Path], target: str, changed: set[str]) -> list[Path]:
+    """The finding traces in the order they are tried: first those whose fix
+    the target names (``vllm@R+FIX.diff``), then those whose fix edits a file
+    the change edits, then the rest (a short budget replays the likely ones)."""
+    import json
+
+    def rank(p: Path) -> int:
+        try:
+            fix = json.loads(p.read_text()).get("meta", {}).get("fixed_by")
+        except (OSError, ValueError):
+            return 2
+        if fix and Path(fix).name in target:
+            return 0
+        return 1 if _fix_files(fix) & changed else 2
+
+    return sorted(paths, key=rank)
+
+
 def fixed_by_change(base: Base, target: str, deadline: float, slot: int = 0,
-                    findings: list[Finding] | None = None) -> tuple[list[Fixed], int, int]:
+                    findings: list[Finding] | None = None,
+                    changed: set[str] | None = None) -> tuple[list[Fixed], int, int]:
     """Every known finding's trace replayed on the base, and where it fails
     there, on the target: those that hold on the target are fixed by the
     change. Returns (fixed, traces replayed, traces there were); stops at
-    ``deadline`` (time.monotonic)."""
+    ``deadline`` (time.monotonic). ``changed``: the files the change edits
+    (``vllm/...``): the traces whose fix edits them are tried first."""
     from impl.target import TargetError, Unsupported
     from model.events import Trace, TraceError
     from properties.replay import InvalidEvent
 
-    paths = finding_traces()
+    paths = likely_first(finding_traces(), target, changed or set())
     if base.same:
         return [], 0, len(paths)
     out, done = [], 0

@@ -114,7 +114,8 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
         if ticker is not None:
             ticker.update("replaying the known findings on base and target", force=True)
         fixed, done, total = fixed_by_change(base, o.target,
-                                             time.monotonic() + FIXED_SHARE * budget)
+                                             time.monotonic() + FIXED_SHARE * budget,
+                                             changed=set(changes.files))
         tried = (done, total)
 
     probed = None

@@ -336,3 +336,16 @@ def test_the_bases_saved_failures_are_replayed_first_and_kept(tmp_path):
     db = recording(open_database(tmp_path / "db"), {key: key + b"-none"})
     assert fuzz(failing, examples=20, seed=4, database=db).violation is not None
     assert db.replayed >= 1 and db.borrowed == 0
+
+
+def test_the_findings_a_change_may_fix_are_replayed_first():
+    from gate.attribution import finding_traces, likely_first
+
+    paths = finding_traces()
+    named = likely_first(paths, f"vllm@0.33.0+{FIX_MAMBA}", set())
+    assert named[0].stem == "mamba-align-load-admits-one-block-short"
+    assert sorted(named) == sorted(paths)  # every trace, only reordered
+    by_file = likely_first(paths, "vllm@/tmp/pr", {"vllm/v1/core/sched/scheduler.py"})
+    first = json.loads(by_file[0].read_text())["meta"]["fixed_by"]
+    assert "vllm/v1/core/sched/scheduler.py" in (ROOT / first).read_text()
+    assert likely_first(paths, "vllm@/tmp/pr", set()) == paths  # no hint: as they were
