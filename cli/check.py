@@ -19,6 +19,9 @@ from pathlib import Path
 from model.events import Trace
 from model.kinds import make_kind
 
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION_TRACES = ROOT / "traces" / "attention"  # found from the installation, any folder
+
 
 @dataclass
 class Row:
@@ -111,7 +114,7 @@ def _attention_rows(a) -> list[Row]:
     except ImportError as e:
         return [Row("attention", "all", "MISSING", False, f"confirm.attention: {e}")]
     rows = []
-    for path in sorted(Path("traces/attention").glob("*.json")):
+    for path in sorted(ATTENTION_TRACES.glob("*.json")):
         t0 = time.perf_counter()
         trace = Trace.load(path)
         on = trace.meta.get("target", "reference")
@@ -131,7 +134,7 @@ def _attention_rows(a) -> list[Row]:
                         f"{rep.device} max err {rep.max_err:.2e}, NaN reads {rep.nan_reads}",
                         time.perf_counter() - t0))
     if not rows:
-        rows.append(Row("attention", "traces/attention", "MISSING", False, "no traces"))
+        rows.append(Row("attention", str(ATTENTION_TRACES), "MISSING", False, "no traces"))
     return rows
 
 
@@ -147,7 +150,13 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run_check(a) -> int:
+    """The parts not skipped, their table, ``OUT/check/<time>/check.md``
+    (``OUT/check/latest`` points at it; the traces a part saves go there too)."""
+    from report.output import fresh_run_dir
+
     t0 = time.perf_counter()
+    run_dir = fresh_run_dir(Path(a.out) / "check")
+    a.out = str(run_dir)
     rows: list[Row] = []
     parts = [("prove", _prove_rows), ("fuzz", _fuzz_rows), ("power", _power_rows),
              ("attention", _attention_rows)]
@@ -164,7 +173,9 @@ def run_check(a) -> int:
     print()
     print(table)
     print(f"\nverdict: {verdict} ({time.perf_counter() - t0:.0f}s)")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "check.md").write_text(f"# kvcheck check\n\n```\n{table}\n```\n\nverdict: {verdict}\n")
+    from report.output import replace_file
+
+    replace_file(run_dir / "check.md",
+                 f"# kvcheck check\n\n```\n{table}\n```\n\nverdict: {verdict}\n")
+    print(f"report: {run_dir / 'check.md'}")
     return 0 if ok else 1

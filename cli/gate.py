@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 
@@ -54,6 +53,7 @@ def add_parser(sub: Any) -> None:
 def cmd_gate(a: Any) -> int:
     from cli.common import UsageError, usable_out
     from gate.run import BudgetError, GateOptions, run_gate
+    from report.output import OutputError, check_named_file
     from report.progress import Ticker
 
     if not (math.isfinite(a.minutes) and a.minutes > 0):
@@ -68,15 +68,16 @@ def cmd_gate(a: Any) -> int:
         open_database(a.db)
     usable_out(a.reports, "--reports")
     if a.junit is not None:
-        if Path(a.junit).is_dir():
-            raise UsageError(f"--junit {a.junit}: is a folder; name a file")
-        usable_out(str(Path(a.junit).parent or "."), "--junit")
+        try:
+            check_named_file(a.junit, "--junit")
+        except OutputError as e:
+            raise UsageError(str(e)) from None
     opts = GateOptions(a.target, a.base, a.minutes, a.workers, a.seed, a.db, a.reports,
                        a.junit, a.rows, a.kind, a.fail_fast, a.quiet, a.probe)
     ticker = None if a.quiet else Ticker()
     try:
         return run_gate(opts, say=lambda line: print(line, flush=True), ticker=ticker)
-    except BudgetError as e:
+    except (BudgetError, OutputError) as e:
         raise UsageError(str(e)) from None
     finally:
         if ticker is not None:

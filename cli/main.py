@@ -9,6 +9,7 @@ budget), 128+N a signal (130 Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "base (pre-existing: exit 0), as the gate attributes it")
     f.add_argument("--quiet", action="store_true")
     f.add_argument("--json", default=None, metavar="PATH",
-                   help="also write the run's result to PATH, a new file, as JSON: verdict, "
+                   help="also write the run's result to PATH as JSON (an existing file is "
+                        "replaced atomically, as pytest writes --junitxml): verdict, "
                         "property, counterexample length, message, witnesses, examples, trace")
     f.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="after a violation also write <out>/<name>.png (blocks against events) "
@@ -129,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attention", action="store_true",
                    help="also replay through real attention (CUDA where present, else CPU)")
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    r.add_argument("--props", default=None, metavar="LIST",
+                   help="check only these properties (e.g. 1,2; default all: a trace's "
+                        "meta.props never narrows a replay)")
     r.add_argument("--base", default=None, metavar="TARGET",
                    help="replay the trace on this base too: introduced (fails on the target "
                         "only: exit 1 / 3), also on the base (exit 0), fixed by the target "
@@ -176,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="reference")
     c.add_argument("--examples", type=int, default=300)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--out", default="reports")
+    c.add_argument("--out", default="reports",
+                   help="check.md and the traces go into a fresh OUT/check/<time>/, "
+                        "OUT/check/latest points at it")
     c.add_argument("--skip", action="append", default=[],
                    choices=("prove", "fuzz", "attention", "power"),
                    help="leave a part out (repeatable)")
@@ -186,12 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------- fuzz
 
 
-def _summary(res, verbose: bool = True) -> str:
+def _summary(res, verbose: bool = True, asked: int | None = None) -> str:
     st = res.stats
     runs = getattr(res, "workers", 1)
     lines = [f"target {res.spec.target}  kind {res.spec.kind}  policy {res.spec.policy}  "
              f"examples {st.examples}  {res.seconds:.1f}s"
              + (f"  ({runs} runs at once)" if runs > 1 else "")]
+    if asked is not None and st.examples > asked and res.verdict == "holds":
+        lines.append(f"({st.examples - asked} examples beyond --examples {asked}: Hypothesis "
+                     f"does not count an example that ends, before its step limit, in a state "
+                     f"no event can follow)")
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.events.items()))
     lines.append(f"events: {ev or 'none'}")
     if st.refused:
@@ -253,7 +264,7 @@ def cmd_fuzz(a) -> int:
     finally:
         if progress is not None:
             progress.close()
-    print(_summary(res))
+    print(_summary(res, asked=a.examples))
     verdict = res.verdict  # the one verdict of a fuzz run (FuzzResult.verdict)
     if res.attention is not None:
         checked, missed = res.attention
@@ -280,7 +291,8 @@ def cmd_fuzz(a) -> int:
         return EXIT_OK if pre else EXIT_TARGET
     if verdict == "violation":
         name = f"{a.target.replace('@', '-').replace('/', '_')}-{a.kind}-{spec.policy}"
-        rr = replay_beside(res.trace, a.target)  # the shrunk trace, as it is saved
+        narrowed = spec.props if len(spec.props) < 7 else None
+        rr = replay_beside(res.trace, a.target, narrowed)  # the shrunk trace, as it is saved
         v = rr.first or res.violation
         print(f"verdict: VIOLATION of property {v.prop} ({v.name}) "
               f"after shrinking to {len(res.trace.events)} events")
@@ -372,26 +384,23 @@ def _say_known(res, target: str) -> None:
 
 
 def _usable_json(path: str) -> None:
-    """Refuse a ``--json`` path before the run (exit 2): one that exists
-    (nothing is overwritten) or whose folder is missing or not writable."""
-    p = Path(path)
-    if not str(path).strip():
-        raise UsageError("--json '': name a file")
-    if p.exists() or p.is_symlink():
-        raise UsageError(f"--json {path}: exists; name a new file")
-    folder = p.parent
-    if not folder.is_dir():
-        raise UsageError(f"--json {path}: {folder} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"--json {path}: cannot write in {folder}")
+    """Refuse a ``--json`` path that cannot be written before the run
+    (exit 2); an existing file is replaced atomically at the end, as pytest
+    writes ``--junitxml`` (report.output)."""
+    from report.output import OutputError, check_named_file
+
+    try:
+        check_named_file(path, "--json")
+    except OutputError as e:
+        raise UsageError(str(e)) from None
 
 
 def _write_json(path: str | None, result: dict) -> None:
     if path is None:
         return
-    with open(path, "x") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    from report.output import replace_file
+
+    replace_file(Path(path), json.dumps(result, indent=1) + "\n")
 
 
 def _parse_props(text: str) -> frozenset[int]:
@@ -531,12 +540,16 @@ def cmd_replay(a) -> int:
     base = _base_of(a)
     # replayed and drawn beside the target: only the timeline and the picture's
     # grid come back, not a row per event
-    got = replay_beside(trace, target, job="report.report:replay_shown_job")
+    props = _parse_props(a.props) if a.props is not None else None
+    got = replay_beside(trace, target, props, job="report.report:replay_shown_job")
     rr, timeline, grid = got if isinstance(got, tuple) else (got, None, None)
     print(f"target {target}")
-    if trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
-        print(f"checking only properties {', '.join(map(str, sorted(trace.meta['props'])))} "
-              f"(the trace's meta.props)")
+    if props is not None and props != frozenset(range(1, 8)):
+        print(f"checking only properties {', '.join(map(str, sorted(props)))} (--props)")
+    elif trace.meta.get("props") and set(trace.meta["props"]) != set(range(1, 8)):
+        print(f"the run that found this trace checked only properties "
+              f"{', '.join(map(str, sorted(trace.meta['props'])))} (meta.props); every "
+              f"property is checked here (--props narrows)")
     print(timeline if timeline is not None else format_timeline(rr))
     code = EXIT_OK
     if rr.crash or rr.first is not None:
@@ -657,8 +670,18 @@ def cmd_check(a) -> int:
         raise UsageError(f"--examples {a.examples}: must be positive")
     if a.seed < 0:
         raise UsageError(f"--seed {a.seed}: must be >= 0")
+    if {"prove", "fuzz", "power", "attention"} <= set(a.skip):
+        raise UsageError("--skip: every part is skipped; nothing would be checked")
+    from impl.target import make_target
+
+    make_target(a.target)  # an unknown or missing target: one line, before any part runs
     usable_out(a.out)
-    return run_check(a)
+    from report.output import OutputError
+
+    try:
+        return run_check(a)
+    except OutputError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_gate(a) -> int:
@@ -689,18 +712,49 @@ def _check_environment() -> None:
             t = math.nan
         if not (math.isfinite(t) and t > 0):
             raise UsageError(f"KVCHECK_HANG_TIMEOUT={v[:40]!r}: must be a number of seconds > 0")
-    from properties.database import redis_url
+    from properties.database import open_database, redis_url
 
-    redis_url()
+    if redis_url():  # a server that does not answer: exit 2, whatever the command
+        open_database()
+
+
+class Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled as Ctrl-C is (exit 128 + N)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise Signalled(signum)
+
+
+def _printable_streams() -> None:
+    """Output any terminal encoding can print: what it cannot is escaped
+    (a lone surrogate in a request id, non-ASCII under PYTHONIOENCODING=ascii)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(OSError, ValueError):
+                reconfigure(errors="backslashreplace")
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    _printable_streams()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread (a test)
+            signal.signal(sig, _on_signal)
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
         _check_environment()
         if a.cmd is None:
-            parser.print_help()
+            print(parser.format_usage().rstrip(), file=sys.stderr)
+            print("kvcheck: error: name a command (fuzz, replay, gate, check, prove, diff, "
+                  "export); ./kvcheck -h for help", file=sys.stderr)
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
                 "check": cmd_check, "gate": cmd_gate, "export": cmd_export}[a.cmd](a)
@@ -716,8 +770,37 @@ def main(argv: list[str] | None = None) -> int:
     except TargetCrash as e:
         print(f"kvcheck: target crashed:\n{e}", file=sys.stderr)
         return EXIT_TARGET
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from impl.worker import kill_all
+
+        kill_all()  # the workers ended, their temporary files removed
+        if isinstance(e, Signalled):
+            name = signal.Signals(e.signum).name
+            print(f"kvcheck: stopped by {name}", file=sys.stderr)
+            return 128 + e.signum
         print("kvcheck: interrupted", file=sys.stderr)
         return 130
     finally:
         remove_created()
+
+
+def run(argv: list[str]) -> int:
+    """``./kvcheck``: :func:`main`, and a signal that lands after it has
+    returned (as a run finishes) still ends with its line and 128 + N;
+    the shutdown after it (workers closed) is not interrupted again."""
+    import signal
+
+    try:
+        code = main(argv)
+    except KeyboardInterrupt as e:
+        from impl.worker import kill_all
+
+        kill_all()
+        signum = e.signum if isinstance(e, Signalled) else signal.SIGINT
+        said = ("interrupted" if signum == signal.SIGINT
+                else f"stopped by {signal.Signals(signum).name}")
+        print(f"kvcheck: {said}", file=sys.stderr)
+        code = 128 + signum
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    return code

@@ -249,9 +249,6 @@ def write_junit(results: list[dict], path: Path, suite: str) -> None:
     counterexample, a row the target cannot run, a harness error fail; a row
     not covered is skipped with what it lacked; one on the base passes and
     says so. Written to a temporary file and renamed over ``path``."""
-    import os
-    import tempfile
-
     el = ET.Element("testsuite", name=suite, tests=str(len(results)),
                     failures=str(sum(1 for r in results if r["exit"] in (1, 3))),
                     skipped=str(sum(1 for r in results if r["exit"] in (2, 4))))
@@ -265,10 +262,9 @@ def write_junit(results: list[dict], path: Path, suite: str) -> None:
             ET.SubElement(tc, "skipped", message=r["verdict"][:500])
         elif r.get("status") in ("on base", "known"):
             ET.SubElement(tc, "system-out").text = r["verdict"]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from report.output import replace_file
+
     root = ET.Element("testsuites", name=suite)
     root.append(el)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        ET.ElementTree(root).write(f, encoding="unicode", xml_declaration=True)
-    os.replace(tmp, path)
+    replace_file(path, '<?xml version="1.0" encoding="utf-8"?>\n'
+                 + ET.tostring(root, encoding="unicode"))

@@ -6,16 +6,14 @@ summary through ``say`` (a line at a time); the command line
 folder ``REPORTS/<time>/`` (``gate.md``, ``gate.json``, ``junit.xml``,
 ``rows/``, ``counterexamples/``) and points ``REPORTS/latest`` at it; nothing
 of an earlier run is written over. An explicit ``--junit PATH`` is replaced
-atomically, as pytest writes ``--junitxml``.
+atomically, as pytest writes ``--junitxml`` (:mod:`report.output`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from gate.known import known_findings
 from gate.matrix import gate_matrix, narrow
 from gate.report import GateRun, markdown, summary, write_junit
 from gate.rows import exit_status, run_rows
+from report.output import fresh_run_dir, replace_file
 
 # the least budget that starts the workers and runs one row (a vLLM worker
 # imports vLLM for about 10-15 s on 2 cores)
@@ -55,28 +54,6 @@ class GateOptions:
 
 def min_budget(target: str) -> float:
     return MIN_BUDGET_S.get(target.partition("@")[0], 30.0)
-
-
-def fresh_run_dir(parent: Path) -> Path:
-    """A new folder under ``parent`` named by the time, and ``parent/latest``
-    pointing at it (a ``latest`` that is not kvcheck's link is refused)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    latest = parent / "latest"
-    if latest.exists() and not latest.is_symlink():
-        raise BudgetError(f"{latest} exists and is not kvcheck's link; move it away")
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        d = parent / (stamp if n == 0 else f"{stamp}-{n}")
-        try:
-            d.mkdir()
-            break
-        except FileExistsError:
-            continue
-    tmp = parent / f".latest-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(d.name)
-    os.replace(tmp, latest)
-    return d
 
 
 def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
@@ -149,8 +126,8 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
     junit = Path(o.junit) if o.junit else reports / "junit.xml"
     run = GateRun(o.target, base, changes, workers, o.minutes, time.monotonic() - t0, results,
                   fixed, tried, notes, code, reports, junit, narrowed, probed)
-    (reports / "gate.md").write_text(markdown(run))
-    (reports / "gate.json").write_text(json.dumps(
+    replace_file(reports / "gate.md", markdown(run))
+    replace_file(reports / "gate.json", json.dumps(
         {"target": o.target, "base": base.target, "base_why": base.why, "exit": code,
          "verdict": run.verdict, "changed": changes.files,
          "fixed": [f.__dict__ for f in fixed],

@@ -114,6 +114,23 @@ def _run_job(payload: Any) -> Any:
             return ("error", tb)
 
 
+def _die_with_parent() -> None:
+    """End the worker once the process that started it is gone, however it
+    ended (a parent killed mid-job leaves no worker behind): a thread that
+    looks every half second whether the worker has been handed to another
+    parent. (Linux's PR_SET_PDEATHSIG fires when the parent's *thread*
+    ends, and workers are started from threads.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="kvcheck-parent-watch", daemon=True).start()
+
+
 def main() -> None:
     global _out
     inp = os.fdopen(os.dup(0), "rb", buffering=0)
@@ -122,6 +139,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # stray output goes to the log, never into the protocol
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     handlers: dict[str, Callable[[Any, Any], Any]] = {}
     info: dict[str, Any] = {}
     setup = os.environ.get("KVCHECK_WORKER_SETUP")
@@ -321,6 +339,9 @@ class WorkerProcess:
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
+        self.remove_files()
+
+    def remove_files(self) -> None:
         for p in (self.log_path, self.flight):
             with contextlib.suppress(OSError):
                 os.unlink(p)
@@ -330,9 +351,11 @@ _started: weakref.WeakSet[WorkerProcess] = weakref.WeakSet()
 
 
 def kill_all() -> None:
-    """Stop every worker this process started (Ctrl-C)."""
+    """Stop every worker this process started and remove its temporary
+    files (Ctrl-C, SIGTERM, SIGHUP)."""
     for w in list(_started):
         w.kill()
+        w.remove_files()
 
 
 _plain: dict[int, WorkerProcess] = {}

@@ -684,7 +684,7 @@ class Trace:
     def from_json(d: Any) -> Trace:
         if not isinstance(d, dict):
             raise TraceError("trace: expected a JSON object")
-        if d.get("version") != TRACE_VERSION:
+        if not _is_int(d.get("version")) or d.get("version") != TRACE_VERSION:
             raise TraceError(
                 f"trace: unsupported version {d.get('version')!r} "
                 f"(this kvcheck reads {TRACE_VERSION})"
@@ -712,11 +712,26 @@ class Trace:
 
     @staticmethod
     def load(path: str | Path) -> Trace:
+        """A trace file: only a regular file is opened (a FIFO or a device
+        would block or never end), read up to :data:`MAX_TRACE_BYTES`."""
+        import stat
+
         try:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as e:
+            raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TraceError(f"cannot read trace {path}: not a regular file")
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb") as f:
+                fd = -1
                 data = f.read(MAX_TRACE_BYTES + 1)
         except OSError as e:
             raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
         if len(data) > MAX_TRACE_BYTES:
             raise TraceError(f"{path}: larger than the limit of {MAX_TRACE_BYTES:,} bytes")
         try:
@@ -734,12 +749,23 @@ def _no_constant(name: str) -> Any:
     raise TraceError(f"{name} is not a JSON number")
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different (JSON leaves duplicates to the
+    reader: one would win silently)."""
+    d: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in d:
+            raise TraceError(f"the key {k[:40]!r} appears twice in one object")
+        d[k] = v
+    return d
+
+
 def loads_trace_json(text: str, where: str = "trace") -> Any:
     """``json.loads`` for trace text: every failure a :class:`TraceError` (one
     line), the nesting limit (:data:`MAX_NESTING`) and Python's limit on
     integer digits (4,300) included; ``NaN`` and ``Infinity`` refused."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except RecursionError:

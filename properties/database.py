@@ -12,6 +12,7 @@ exits 2), as does a database path that is empty or names a file.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -72,8 +73,18 @@ def open_database(path: str | Path | None = None):
     if path is not None and not str(path).strip():
         raise DatabaseError("--db '': name a folder")
     p = Path(path or ".hypothesis/kvcheck")
-    if p.exists() and not p.is_dir():
-        raise DatabaseError(f"example database {p}: exists and is not a folder")
+    try:
+        if p.exists() and not p.is_dir():
+            raise DatabaseError(f"example database {p}: exists and is not a folder")
+        # made and tried here: Hypothesis would go on without a database it
+        # cannot write (a folder under a file, under /proc, read-only)
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".kvcheck-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DatabaseError(f"example database {str(p)[:120]}: cannot write there "
+                            f"({e.strerror or type(e).__name__})") from None
     return DirectoryBasedExampleDatabase(str(p))
 
 

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 from hypothesis import HealthCheck, Phase, reject, settings
 from hypothesis import seed as with_seed
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -173,6 +174,7 @@ class RunStats:
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
     refused: Counter = field(default_factory=Counter)  # what the target could not take
+    refusals: Counter = field(default_factory=Counter)  # the target's words for it
     # examples run per group mix ("full+mamba"; "draft": a drafter's own group)
     layouts: Counter = field(default_factory=Counter)
 
@@ -423,11 +425,12 @@ class KVMachine(RuleBasedStateMachine):
             cls.stats.expected.add("drained")
         try:
             obs = cls.target.reset(cfg)
-        except Unsupported:
+        except Unsupported as e:
             # a config this target cannot run (e.g. a layout its version
             # refuses): not an example; counted so a run that can run
             # nothing is visible
             cls.stats.refused["config"] += 1
+            cls.stats.refusals[str(e).strip().splitlines()[0][:300] if str(e) else "?"] += 1
             reject()
         cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
@@ -813,6 +816,15 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
                 result.crash = str(crash)
             else:
                 result.violation = v
+    except Unsatisfiable:
+        # every example drawn was refused: the target cannot run what was asked
+        from impl.target import TargetError
+
+        st = cls.stats
+        why = st.refusals.most_common(1)[0][0] if st.refusals else "no example could be drawn"
+        n = sum(st.refused.values())
+        raise TargetError(f"{spec.target} runs none of the examples asked for "
+                          f"(kind {spec.kind}; {n} refused): {why}") from None
     except PropertyFailed as e:
         result.violation = e.violation
         example = (e.config, e.events)

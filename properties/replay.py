@@ -52,9 +52,8 @@ class ReplayResult:
 def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool = True,
            props: frozenset[int] | None = None) -> ReplayResult:
     """Run ``trace`` on ``target`` under the checker. ``props`` limits the
-    properties that count (default: the trace's ``meta.props``, else all)."""
-    if props is None and trace.meta.get("props"):
-        props = frozenset(trace.meta["props"])
+    properties that count (default: all; a trace's ``meta.props`` says what
+    the run that found it checked, and never narrows a replay)."""
     tgt = make_target(target) if isinstance(target, str) else target
     checker = Checker(trace.config)
     checker.feed(None, tgt.reset(trace.config))

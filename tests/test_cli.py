@@ -86,16 +86,18 @@ def test_replay_reports_violation_and_timeline(tmp_path):
     assert "property 1" in out and ">>" in out
 
 
-def test_a_trace_that_narrows_the_properties_says_so(tmp_path):
+def test_a_trace_never_narrows_what_a_replay_checks(tmp_path):
     p = good_trace(tmp_path)
     d = json.loads(p.read_text())
     d["meta"] = {"props": [2, 3]}  # the violation is of property 1
     p.write_text(json.dumps(d))
-    code, out, _ = run("replay", str(p))
-    assert code == 0, out
-    assert "checking only properties 2, 3" in out
+    code, out, _ = run("replay", str(p), "--no-report")
+    assert code == 1 and "VIOLATION of property 1" in out, out
+    assert "checked only properties 2, 3 (meta.props); every property is checked" in out
+    code, out, _ = run("replay", str(p), "--props", "2,3", "--no-report")
+    assert code == 0, out  # only the command line narrows, and says so
+    assert "checking only properties 2, 3 (--props)" in out
     assert "properties 2, 3 hold (the others were not checked)" in out
-    assert "all properties hold" not in out
 
 
 def test_replay_same_events_settled_holds(tmp_path):
@@ -132,7 +134,7 @@ def test_fuzz_json_carries_the_verdict_the_cli_prints(tmp_path):
     assert r["examples"] >= 1 and r["witnesses"]
 
 
-def test_fuzz_json_holds_and_refuses_an_existing_file(tmp_path):
+def test_fuzz_json_holds_and_replaces_a_named_file_whole(tmp_path):
     result = tmp_path / "result.json"
     code, out, err = run("fuzz", "--kind", "full", "--examples", "20", "--seed", "1",
                          "--workers", "1", "--quiet", "--out", str(tmp_path / "out"),
@@ -140,7 +142,10 @@ def test_fuzz_json_holds_and_refuses_an_existing_file(tmp_path):
     r = json.loads(result.read_text())
     assert (code, r["verdict"]) in {(0, "holds"), (1, "vacuous")}, out + err
     assert r["property"] is None and r["trace"] is None and r["examples"] >= 20
-    before = result.read_text()
-    code, out, err = run("fuzz", "--kind", "full", "--examples", "5", "--json", str(result))
-    assert code == 2 and "exists" in err and "Traceback" not in err
-    assert result.read_text() == before
+    code, out, err = run("fuzz", "--kind", "full", "--examples", "5", "--seed", "2",
+                         "--workers", "1", "--quiet", "--out", str(tmp_path / "out"),
+                         "--json", str(result))
+    assert code in (0, 1) and json.loads(result.read_text())["examples"] < r["examples"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    code, out, err = run("fuzz", "--kind", "full", "--json", str(tmp_path))
+    assert code == 2 and "is a folder" in err and "Traceback" not in err

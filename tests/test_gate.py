@@ -16,10 +16,10 @@ from gate.known import by_name, known_findings, name_of
 from gate.matrix import gate_matrix, narrow, row_id, target_label
 from gate.report import GateRun, summary, write_junit
 from gate.rows import exit_status
-from gate.run import fresh_run_dir
 from impl.target import Capabilities
 from model.events import Trace
 from properties.machine import FuzzResult, FuzzSpec, RunStats
+from report.output import OutputError, fresh_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 KVCHECK = ROOT / "kvcheck"
@@ -120,9 +120,7 @@ def test_each_run_writes_a_fresh_folder_and_a_latest_link(tmp_path):
     assert (tmp_path / "latest").resolve() == b.resolve()
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").write_text("the user's")
-    from gate.run import BudgetError
-
-    with pytest.raises(BudgetError, match="not kvcheck's link"):
+    with pytest.raises(OutputError, match="not kvcheck's link"):
         fresh_run_dir(tmp_path)
     assert (tmp_path / "latest").read_text() == "the user's"
 
