@@ -24,14 +24,7 @@ def usable_out(path: str, flag: str = "--out") -> None:
     p = Path(path)
     if not str(path).strip():
         raise UsageError(f"{flag} '': name a folder")
-    try:
-        long = next((c for c in p.parts if len(os.fsencode(c)) > _name_max(p)), None)
-    except (OSError, UnicodeError):
-        long = None
-    if long is not None:
-        raise UsageError(f"{flag} {path[:80]}...: a name in it is longer than the "
-                         f"{_name_max(p)} bytes a file name may have")
-    try:
+    try:  # every OSError is one line: a name too long, a loop of links, ...
         if p.exists() and not p.is_dir():
             raise UsageError(f"{flag} {path}: exists and is not a folder")
         made = []
@@ -46,18 +39,8 @@ def usable_out(path: str, flag: str = "--out") -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def _name_max(p: Path) -> int:
-    """The longest file name the file system under ``p`` takes, in bytes."""
-    q = p
-    while not q.exists() and q != q.parent:
-        q = q.parent
-    try:
-        return os.pathconf(q if str(q) else ".", "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
+        raise UsageError(f"{flag} {str(path)[:120]}: cannot write there "
+                         f"({e.strerror or e})") from None
 
 
 def remove_created() -> None:

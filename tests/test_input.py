@@ -556,3 +556,127 @@ def test_a_cut_grid_still_shows_the_violation():
     assert len(grid.rows) == 5 and grid.mark is not None and grid.mark.row == 4
     assert grid.cell(grid.mark.rid, grid.mark.group, 4, grid.mark.logical).state == "freed"
     assert grid.freed_under_window() is not None
+
+
+# ------------------------------------------------ second round (issue 28)
+
+
+def _subprocess(*args: str, env: dict | None = None, cwd: Path | None = None,
+                timeout: float = 300):
+    import os
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "kvcheck"), *args], capture_output=True,
+                          text=True, env=e, cwd=cwd or ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize("rid, env", [("r\ud800", {}), ("réq", {"PYTHONIOENCODING": "ascii"})])
+def test_an_id_the_terminal_cannot_print_is_escaped(tmp_path, rid, env):
+    d = base_trace()
+    for ev in d["events"]:
+        if "id" in ev:
+            ev["id"] = rid
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))  # a lone surrogate is valid JSON (\ud800)
+    r = _subprocess("replay", str(p), "--no-report", env=env, cwd=tmp_path)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stdout + r.stderr, r.stderr
+    assert "verdict:" in r.stdout and ("\\ud800" in r.stdout or "\\xe9" in r.stdout)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"version": true, "config": {}, "events": []}', "unsupported version True"),
+    ('{"version": 1, "version": 1, "config": {}, "events": []}', "'version' appears twice"),
+])
+def test_booleans_for_numbers_and_duplicate_keys_are_refused(tmp_path, capsys, text, says):
+    p = tmp_path / "t.json"
+    p.write_text(text)
+    assert says in one_line_error(*cli(capsys, "replay", str(p)))
+    d = base_trace()
+    raw = json.dumps(d).replace('"policy": "optimistic"',
+                                '"policy": "optimistic", "policy": "settled"')
+    p.write_text(raw)
+    assert "'policy' appears twice" in one_line_error(*cli(capsys, "replay", str(p)))
+
+
+def test_a_fifo_is_not_a_trace(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    assert "not a regular file" in one_line_error(*cli(capsys, "replay", str(fifo)))
+
+
+def test_a_run_the_target_refuses_entirely_is_one_line_exit_3(tmp_path, capsys):
+    code, out, err = cli(capsys, "fuzz", "--drafter", "eagle", "--examples", "20", "--quiet",
+                         "--workers", "1", "--out", str(tmp_path / "ce"))
+    line = one_line_error(code, out, err, expect=3)
+    assert "runs none of the examples asked for" in line and "drafter eagle" in line
+
+
+def test_outputs_and_databases_that_cannot_be_written_are_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    long = "x" * 300
+    line = one_line_error(*cli(capsys, *FUZZ, "--out", str(tmp_path / long)))
+    assert "File name too long" in line and len(line) < 200
+    for db in (tmp_path / "file" / "db", Path("/proc/kvcheck-db")):
+        line = one_line_error(*cli(capsys, *FUZZ, "--db", str(db),
+                                   "--out", str(tmp_path / "ce")))
+        assert "cannot write there" in line or "not a folder" in line
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_unreachable_redis_is_refused_without_db_too(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVCHECK_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert "no Redis server answers" in one_line_error(*cli(capsys, "prove", "--kind", "full"))
+
+
+def test_check_refuses_nothing_to_check_and_an_unknown_target(tmp_path, capsys):
+    skip = [x for part in ("prove", "fuzz", "power", "attention") for x in ("--skip", part)]
+    out = ["--out", str(tmp_path / "r")]
+    assert "every part is skipped" in one_line_error(*cli(capsys, "check", *skip, *out))
+    assert "bogus" in one_line_error(*cli(capsys, "check", "--target", "bogus", *out))
+
+
+def test_check_never_writes_over_an_earlier_report(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    skip = [x for part in ("prove", "fuzz", "attention") for x in ("--skip", part)]
+    for _ in range(2):
+        code, out, _ = cli(capsys, "check", *skip, "--out", "r")
+        assert code == 0, out
+    runs = [p for p in (tmp_path / "r" / "check").iterdir() if p.name != "latest"]
+    assert len(runs) == 2 and all((p / "check.md").is_file() for p in runs)
+    (tmp_path / "r" / "check" / "latest").unlink()
+    (tmp_path / "r" / "check" / "latest").write_text("mine")
+    assert "not kvcheck's link" in one_line_error(*cli(capsys, "check", *skip, "--out", "r"))
+
+
+def test_no_command_is_one_line_on_stderr():
+    r = _subprocess()
+    assert r.returncode == 2 and not r.stdout and "name a command" in r.stderr
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_terminating_signal_ends_the_run_as_ctrl_c_does(tmp_path, sig, code):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["TMPDIR"] = str(tmp_path)
+    p = subprocess.Popen([sys.executable, str(ROOT / "kvcheck"), *FUZZ, "--examples", "100000",
+                          "--workers", "2", "--out", str(tmp_path / "ce")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("kvcheck-worker-*.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.send_signal(getattr(signal, sig))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == code, (out, err)
+    assert err.strip().splitlines()[-1] == f"kvcheck: stopped by {sig}"
+    assert not list(tmp_path.glob("kvcheck-*")), list(tmp_path.iterdir())
