@@ -410,9 +410,22 @@ PLACES = [["version"], ["config"], ["config", "groups"], ["config", "groups", 0,
 def trace_files(draw) -> bytes:
     """A trace file: the good one with one part replaced, removed or added,
     oversized, or bytes that are not a trace at all."""
-    how = draw(st.sampled_from(["good", "replace", "remove", "oversize", "raw", "good"]))
+    how = draw(st.sampled_from(["good", "replace", "remove", "oversize", "raw", "good",
+                                "twice", "odd id"]))
     d = base_trace(policy=draw(st.sampled_from(["settled", "optimistic"])))
     d["meta"] = {}
+    if how == "twice":  # a key given twice in one object: refused, never one silently
+        key = draw(st.sampled_from(['"policy": ', '"version": ', '"id": ', '"type": ']))
+        text = json.dumps(d)
+        at = text.index(key)
+        end = text.index(",", at)
+        return (text[:end] + ", " + text[at:end] + text[end:]).encode()
+    if how == "odd id":  # ids any terminal must be able to print (escaped)
+        rid = draw(st.sampled_from(["r\ud800", "ré", "r\x1b[2J", "r\u202e", "r" * 300]))
+        for ev in d["events"]:
+            if "id" in ev:
+                ev["id"] = rid
+        d["meta"] = draw(st.sampled_from([{}, {"props": [3]}, {"props": [2, 3]}]))
     if how == "raw":
         n = draw(st.sampled_from([40, 1000, 100_000]))
         return draw(st.sampled_from([b"[" * n + b"]" * n, b'{"version": 1, "config": ' + b"7"
@@ -450,6 +463,8 @@ def _contract(code: int, out: str, err: str) -> None:
     event(f"exit {code}")
     assert "Traceback" not in out + err
     assert code in (0, 1, 2, 3), code
+    if code == 3:  # the target cannot run what was asked: one line that says so
+        assert err.strip().splitlines()[-1].startswith("kvcheck: "), err
     if code == 2:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvcheck: "), err
@@ -493,7 +508,8 @@ def test_cli_on_malformed_traces_keeps_the_contract(data, cmd, report, policy, t
            "--steps": st.sampled_from([4, 1, -1]),
            "--attention-every": st.sampled_from([0, -1]),
            "--props": st.sampled_from(["1,2", "1", "", "9", "a", "1,,3"]),
-           "--seed": st.integers(-5, 5)}),
+           "--seed": st.integers(-5, 5),
+           "--drafter": st.sampled_from(["eagle", "mtp", "ngram"])}),
        out=st.sampled_from(["ce", "new/deeper", "a-file", "a-file/sub", ""]),
        examples=st.sampled_from([2, 1, 0, -1]))
 def test_cli_on_odd_fuzz_flags_keeps_the_contract(kind, policy, nums, out, examples):
