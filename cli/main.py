@@ -166,10 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  ./kvcheck export findings/failed-load-prefix-hit-reads-missing-kv.json "
-               "--vllm-test test_prefix_hit.py\nthe module needs vLLM (0.33 line) and pytest "
-               "only; it replays the trace through schedule()/update_from_output() and asserts "
-               "property 2 (reads) or, in a closing Drain, 7 (progress) on vLLM's objects")
+        epilog="example:\n  ./kvcheck export findings/failed-load-recompute-reads-null-sliding.json "
+               "--vllm-test test_null_read.py\nthe test makes vLLM's calls one by one "
+               "(schedule(), update_from_output(), ...) and asserts on vLLM's objects at the "
+               "step that breaks; its helpers go beside it (kvcheck_utils.py). What that form "
+               "does not state yet (Mamba, drafts, preemption, properties 3-7) is written as a "
+               "replay of the trace. Needs vLLM (0.33 line) and pytest only")
     e.add_argument("trace")
     e.add_argument("--vllm-test", required=True, metavar="OUT.py",
                    help="the module to write (never over an existing file)")
@@ -592,7 +594,6 @@ def cmd_replay(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from impl.vllm.export import ExportError, vllm_test_source
     from model.events import Trace
 
     out = Path(a.vllm_test)
@@ -603,16 +604,29 @@ def cmd_export(a) -> int:
     if not out.parent.is_dir():
         raise UsageError(f"--vllm-test {a.vllm_test}: no folder {out.parent}")
     trace = Trace.load(a.trace)
-    try:
-        text = vllm_test_source(trace, Path(a.trace).stem)
-    except ExportError as e:
+    from impl.vllm import export_steps
+
+    try:  # the step form, else the replaying form for what it does not state yet
+        text, utils, why = export_steps.export(trace, Path(a.trace).stem)
+    except export_steps.ExportError as e:
         raise UsageError(f"{a.trace} cannot be exported: {e}") from None
+    helper = out.parent / "kvcheck_utils.py"
+    if utils is not None and helper.exists() and helper.read_text() != utils:
+        raise UsageError(f"{helper} exists and differs from the helpers this test needs; "
+                         f"export into another folder or move it away")
     try:
         with open(out, "x") as f:
             f.write(text)
+        if utils is not None and not helper.exists():
+            with open(helper, "x") as f:
+                f.write(utils)
     except OSError as e:
         raise UsageError(f"--vllm-test {a.vllm_test}: {e.strerror}") from None
-    print(f"wrote {out} (pytest {out})")
+    if utils is not None:
+        print(f"wrote {out} ({len(text.splitlines())} lines; its helpers: {helper})")
+    else:
+        print(f"wrote {out} in the replaying form (the step form: {why})")
+    print(f"run: pytest {out}")
     return EXIT_OK
 
 

@@ -124,6 +124,10 @@ class Violation:
     rid: str | None = None
     block: int | None = None
     event_index: int | None = None
+    # what the violation is in terms of the target's own state, for a test
+    # that asserts on it (impl/vllm/export.py): {"fact": ..., "rid", "group",
+    # "logical", "step", ...}; None where no such statement is made
+    facts: dict | None = None
 
     @property
     def name(self) -> str:
@@ -983,7 +987,10 @@ class Checker:
                        f"out-of-window "
                        f"while step {pp.step} is unprocessed and position {t} of it reads "
                        f"{self._fmt_reads(g, t, P)} (settled count {p}, {g.label()})",
-                    step=pp.step, rid=f.rid, block=f.block)
+                    step=pp.step, rid=f.rid, block=f.block,
+                    facts={"fact": "freed_while_read", "rid": f.rid, "group": f.group,
+                           "logical": f.logical, "step": pp.step, "position": t,
+                           "block_size": B})
         elif self._stream_ordered:
             # nothing in flight reads it: only a later step could, after a rollback
             low = self._rollback_floor(f.rid, p)
@@ -1000,7 +1007,9 @@ class Checker:
                        f"out-of-window "
                        f"though a rollback to the settled count {p} needs "
                        f"{self._fmt_reads(g, p, P)}{self._fmt_retained(g, p)} ({g.label()})",
-                    rid=f.rid, block=f.block)
+                    rid=f.rid, block=f.block,
+                    facts={"fact": "freed_before_settled", "rid": f.rid, "group": f.group,
+                           "logical": f.logical, "settled": p, "block_size": B})
 
     def _rollback_floor(self, rid: str, p: int) -> int:
         """The lowest count ``rid`` can be rolled back to: its settled count
@@ -1126,7 +1135,10 @@ class Checker:
                            f"({g.label()}) but block {blk} (logical {lg}) holds no "
                            f"valid KV for positions [{x}, {y}): a connector load into it "
                            f"failed and nothing computed them again",
-                        step=s.step, rid=rs.rid, block=blk)
+                        step=s.step, rid=rs.rid, block=blk,
+                        facts={"fact": "reads_failed_load", "rid": rs.rid, "step": s.step,
+                               "start": a, "end": rs.end, "bad_from": x, "bad_to": y,
+                               "logical": lg})
                 del bad[blk]
                 return
 
@@ -1152,7 +1164,12 @@ class Checker:
                                f"[{pp.start}, {pp.end}); position {t} reads "
                                f"{self._fmt_reads(g, t, P)} ({g.label()}) but logical block "
                                f"{lg} maps to {what}",
-                            step=pp.step, rid=rs.rid, block=blk)
+                            step=pp.step, rid=rs.rid, block=blk,
+                            facts={"fact": "reads_null" if blk == NULL else
+                                   "reads_no_block" if blk is None else "reads_foreign",
+                                   "rid": rs.rid, "group": gi, "logical": lg,
+                                   "step": pp.step, "when": when, "start": pp.start,
+                                   "end": pp.end, "position": t, "block_size": B})
                     return
             if g.spec.holds_state and self._slots and self._state_clash(pp, gi, g, table, when):
                 return

@@ -216,10 +216,19 @@ def scheduler_kwargs(cls: type, block_size: int, hash_block_size: int) -> dict[s
 PLANNER_MEMORY = 1 << 40
 
 
-def planned_on(vllm_config: Any, num_blocks: int) -> None:
+def planned_on(vllm_config: Any, num_blocks: int, kvc: Any = None) -> None:
     """What :func:`plan_kv_cache` sets on the VllmConfig it plans with (the
     planner's own writes to it, the layout and saved overrides, are the same
-    for every plan of one VllmConfig)."""
+    for every plan of one VllmConfig); on releases the engine's steps plan
+    (impl/vllm/build.py), the block-size update and capacity of ``kvc`` too."""
+    if kvc is not None and getattr(kvc, "hash_block_size", None) is not None:
+        from vllm.v1.core import kv_cache_utils
+
+        if hasattr(kv_cache_utils, "update_kv_cache_capacity"):
+            from impl.vllm import build
+
+            build.replan(vllm_config, kvc, num_blocks)
+            return
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
 
@@ -251,6 +260,10 @@ def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
         from vllm.v1.core import kv_cache_planning as planning  # 0.33
     except ImportError:  # 0.25.1, 0.26.0: planning lives in kv_cache_utils
         planning = kv_cache_utils
+    from impl.vllm import build
+
+    if build.engine_built(planning):  # the engine's own steps (impl/vllm/build.py)
+        return build.plan_kv_cache(vllm_config, layer_specs, num_blocks)
     planned_on(vllm_config, num_blocks)
     specs = [dict(layer_specs)]
     memory = [PLANNER_MEMORY]

@@ -172,6 +172,9 @@ class Driver:
         self._model_configs = _MODEL_CONFIGS
         self._plans = _PLANS
         self._whisper_dirs: dict[int, Path] = {}
+        # the vLLM calls of a replay, for the exporter (impl/vllm/export.py): a
+        # list it sets, None otherwise
+        self.script: list[tuple] | None = None
 
     def warm_up(self) -> None:
         """Build and drop one scheduler: the first one in a process pays for
@@ -342,6 +345,15 @@ class Driver:
                         mamba_cache_mode="align", page_size_padded=pad,
                         num_speculative_blocks=cfg.spec_tokens)
 
+    def layer_specs(self, cfg: Config) -> dict[str, Any]:
+        """One layer per group, ``layer{i}`` (a draft group's: the draft layer)."""
+        return {(DRAFT_LAYER if g.draft else f"layer{i}"): self._group_spec(g, cfg, i)
+                for i, g in enumerate(cfg.groups)}
+
+    def _rec(self, *entry: Any) -> None:
+        if self.script is not None:
+            self.script.append(entry)
+
     def _chunked_one_size(self) -> bool:
         """Whether this release's chunked-local prefix lookup asserts that its
         group's block size is the scheduler's (0.33.0 does)."""
@@ -369,8 +381,7 @@ class Driver:
                 f"vllm {self.version}'s chunked-local manager asserts, at every prefix-cache "
                 "lookup, that its block size is the scheduler's: groups of different block "
                 "sizes with chunked-local attention and prefix caching cannot run")
-        specs = {(DRAFT_LAYER if g.draft else f"layer{i}"): self._group_spec(g, cfg, i)
-                 for i, g in enumerate(cfg.groups)}
+        specs = self.layer_specs(cfg)
         want = [(name,) for name in specs]
         if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp") and \
                 not any(g.draft for g in cfg.groups):
@@ -442,7 +453,7 @@ class Driver:
         if isinstance(hit, ConfigUnsupported):
             raise ConfigUnsupported(str(hit)) from None
         kvc, block_size, hash_block_size = hit
-        compat.planned_on(vc, cfg.num_blocks)
+        compat.planned_on(vc, cfg.num_blocks, kvc)
         return kvc, block_size, hash_block_size
 
     def reset(self, cfg: Config) -> Observed:
@@ -550,6 +561,7 @@ class Driver:
         self.queued: list[Any] = []  # events held for the next Process (_hold_for_engine)
         self.arrival = 0
         self._instrument()
+        self._rec("reset", cfg, vc)
         return Observed(items=[], counters=self._counters())
 
     # --------------------------------------------------------- instrumenting
@@ -903,6 +915,7 @@ class Driver:
             None if enc is None else compat.encoder_input(ev.id, enc))
         if ev.external_tokens:
             self.connector.offers[ev.id] = ev.external_tokens
+        self._rec("add", ev.id, ev.prompt_len, ev.variant, ev.max_new_tokens, ev.external_tokens)
         self.reqs[ev.id] = req
         self.active[ev.id] = req
         self.touched[ev.id] = None
@@ -919,6 +932,7 @@ class Driver:
         self.step_copies += [(self._pid_of(c.src_block_id), self._pid_of(c.dst_block_id))
                              for c in getattr(out, "kv_cache_block_copies", None) or ()]
         self._worker_tables(out)  # the engine hands every output to the worker
+        self._rec("schedule", self.next_step if out.total_num_scheduled_tokens else None)
         if not out.total_num_scheduled_tokens:
             return  # an empty step: nothing runs, nothing to process
         meta = getattr(out, "kv_connector_metadata", None)
@@ -1056,10 +1070,21 @@ class Driver:
         for q in queued:  # the sync engine's abort queue: after the step ran, before its output
             if type(q) is not Preempt:
                 self._finish(q)
+        if self.script is not None:
+            B = self.cfg.block_size
+            # a failed load names the loaded blocks from the first bad one on
+            # (_invalid_blocks): their slots in the loading step's table
+            self._rec("process", p.step, {rid: len(t) for rid, t in zip(rids, sampled,
+                                                                        strict=True)},
+                      {rid: [s for s in range(k, min(len(p.obs[rid].tables[0]),
+                                                     -(-p.obs[rid].start // B)))
+                             if p.obs[rid].tables[0][s] != NULL]
+                       for rid, k in p.failed.items()})
         self.sched.update_from_output(out, mro)
         for q in queued:  # preemption: in the next schedule(), after this output
             r = self.sched.requests.get(q.id)
             if type(q) is Preempt and r is not None and r.status == self.RS.RUNNING:
+                self._rec("preempt", q.id)
                 compat.preempt(self.sched, r, time.monotonic())
         discarded = []
         for rid in rids:
@@ -1080,6 +1105,7 @@ class Driver:
         live = [rid for rid in rids
                 if rid in self.sched.requests and self.reqs[rid].status == self.RS.RUNNING]
         if live:
+            self._rec("drafts", tuple(live))
             self.sched.update_draft_token_ids(self.outputs.DraftTokenIds(
                 live, [[DRAFT_TOKEN] * self.cfg.spec_tokens for _ in live]))
 
@@ -1119,6 +1145,7 @@ class Driver:
         r = self.sched.requests.get(ev.id)
         if r is None or r.status != self.RS.RUNNING or r not in self.sched.running:
             raise EventRejected(f"request {ev.id} is not running")
+        self._rec("preempt", ev.id)
         compat.preempt(self.sched, r, time.monotonic())
 
     def _fail_load(self, ev: FailLoad) -> None:
@@ -1144,6 +1171,8 @@ class Driver:
                 return  # already ending (vLLM's finish is idempotent)
             raise EventRejected(f"request {ev.id} is not live")
         status = self.RS.FINISHED_STOPPED if type(ev) is Finish else self.RS.FINISHED_ABORTED
+        self._rec("finish", ev.id, "FINISHED_STOPPED" if type(ev) is Finish
+                  else "FINISHED_ABORTED")
         self.sched.finish_requests(ev.id, status)
 
     # --------------------------------------------------------------- counters

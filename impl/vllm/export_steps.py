@@ -1,0 +1,372 @@
+"""A counterexample as a short, straight-line test on vLLM's own objects.
+
+``./kvcheck export TRACE --vllm-test OUT.py`` replays the trace on vLLM
+beside the checker (:func:`export_job`, in a vLLM worker) and writes the vLLM
+calls the replay made, one line each: the scheduler built as the engine
+builds it (``kvcheck_utils.build``, whose engine steps are
+``impl/vllm/build.py``'s source), ``add_request``, ``schedule()``,
+``update_from_output()`` with the model runner output each step needs, the
+connector's offers and failed loads, ``finish_requests``. At the event where
+the checker saw the violation it asserts what vLLM itself holds
+(:attr:`properties.invariants.Violation.facts`):
+
+* a block freed out of the window while a step in flight reads it, or while
+  a rollback to the settled count would: the request's block table no longer
+  holds that block at that logical index, and it is back in the pool;
+* a step whose window reads a logical block the table maps to the NULL
+  block (the read range computed from the request's ``num_computed_tokens``);
+* a step that reads positions a failed connector load left without KV: it
+  starts past them.
+
+``OUT.py`` imports its helpers from ``kvcheck_utils.py``, written beside it
+(the same text for every test). What this form cannot state yet raises
+:class:`ExportError`, and the exporter falls back to the replaying test of
+:mod:`impl.vllm.export`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from model.events import Trace
+
+UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
+KINDS = {"full", "sliding", "chunked_local"}
+FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
+         "raises"}
+
+
+class ExportError(Exception):
+    """This form cannot state the trace (one line)."""
+
+
+def utils_source() -> str:
+    """``kvcheck_utils.py``: the helper template with the engine's steps of
+    impl/vllm/build.py written in."""
+    from impl.vllm import build
+
+    body = "\n\n".join(textwrap.dedent(inspect.getsource(f))
+                       for f in (build.plan_kv_cache, build.build_scheduler))
+    text = UTILS.read_text()
+    return text.replace("# <the engine's steps: impl/vllm/build.py>\n",
+                        "# the engine's steps, as kvcheck's driver runs them "
+                        "(impl/vllm/build.py)\n\n\n" + body + "\n")
+
+
+def _check(trace: Trace) -> None:
+    cfg = trace.config
+    bad = sorted({g.kind for g in cfg.groups} - KINDS)
+    if bad:
+        raise ExportError(f"kind {bad[0]}: this form states attention layers "
+                          f"({', '.join(sorted(KINDS))})")
+    if cfg.spec_tokens:
+        raise ExportError("drafts: this form does not state draft proposals yet")
+    if cfg.depth not in (1, 2):
+        raise ExportError(f"depth {cfg.depth}: this form states depth 1 and 2")
+    if any(g.retained for g in cfg.groups) or cfg.prefix_match_unit:
+        raise ExportError("retained tokens and prefix-match units are not stated yet")
+
+
+def _spec_code(spec: Any) -> str:
+    """The layer spec as a constructor call with the fields it needs: those
+    without which it would be another spec."""
+    given = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    for name in list(given):
+        rest = {k: v for k, v in given.items() if k != name}
+        try:
+            if type(spec)(**rest) == spec:
+                given = rest
+        except TypeError:  # a field without a default
+            continue
+    parts = [f"{k}={'torch.float32' if 'float32' in str(v) else repr(v)}"
+             for k, v in given.items()]
+    return f"{type(spec).__name__}({', '.join(parts)})"
+
+
+def export_job(trace: Trace, name: str) -> tuple[str, str]:
+    """In a vLLM worker: (the test's text, kvcheck_utils.py's text)."""
+    from impl.vllm.driver import Driver
+    from properties.invariants import Checker
+
+    _check(trace)
+    d = Driver()
+    d.script = []
+    checker = Checker(trace.config)
+    checker.feed(None, d.reset(trace.config))
+    cfg_entry = d.script[0]
+    specs = d.layer_specs(trace.config)
+    from impl.vllm.driver import EventRejected, InstrumentationError
+    from model.events import Schedule
+    from properties.invariants import Violation
+
+    v, at = None, None
+    for i, ev in enumerate(trace.events):
+        d.script.append(("event", i))
+        try:
+            vs = checker.feed(ev, d.apply(ev))
+        except (EventRejected, InstrumentationError) as e:
+            raise ExportError(f"event #{i} does not replay on vllm {d.version}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - vLLM raised: the test asserts it does not
+            if type(ev) is Schedule and d.script[-1][0] != "schedule":
+                d.script.append(("schedule", "raises"))
+            line = (str(e).strip().splitlines() or [""])[0]
+            v = Violation(0, f"{type(e).__name__}: {line}",
+                          facts={"fact": "raises", "error": type(e).__name__, "line": line})
+            at = i
+            break
+        if vs:
+            v, at = vs[0], i
+            break
+    if v is None:
+        raise ExportError(f"the trace holds on vllm {d.version}: there is nothing to assert")
+    if v.facts is None or v.facts.get("fact") not in FACTS:
+        raise ExportError(f"property {v.prop} ({v.name}): this form does not state it yet")
+    kinds = {e[0] for e in d.script}
+    if kinds & {"preempt", "drafts"}:
+        raise ExportError("a forced preemption or draft proposals: not stated by this form")
+    body = _steps(d.script[1:], v, at, trace, d)
+    return _module(trace, name, v, specs, cfg_entry[1], body, d.version), utils_source()
+
+
+def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[str]:
+    f = v.facts
+    cfg = trace.config
+    B = cfg.block_size
+    # the loading steps whose block ids a failed load names later
+    tables = {e[1]: sorted(e[3]) for e in script if e[0] == "process" and e[3]}
+    out: list[str] = []
+    event = -1
+    crash_at = None  # the index of the call that raised: the last of event ``at``
+    if f["fact"] == "raises":
+        crash_at = max(k for k, e in enumerate(script) if e[0] != "event")
+    for k, e in enumerate(script):
+        if k == crash_at:
+            call = _call_line(e, tables)
+            out += ["try:", f"    {call}", "    error = None",
+                    f"except {f['error']} as e:", "    error = e"]
+            break
+        if e[0] == "event":
+            event = e[1]
+            if event == at and f["fact"].startswith("freed"):
+                out.append(f"held = tables[{f['group']}].req_to_blocks[{f['rid']!r}]"
+                           f"[{f['logical']}]")
+            continue
+        if e[0] == "add" and e[5]:  # the connector offers its external tokens
+            out.append(f"scheduler.connector.offers[{e[1]!r}] = {e[5]}")
+        if e[0] == "schedule":
+            step = e[1]
+            if step is None:
+                out.append("scheduler.schedule()  # nothing to run")
+                continue
+            out.append(_call_line(e, tables))
+            if step == f.get("step") and f["fact"].startswith("reads"):
+                out.append(f"start = scheduler.requests[{f['rid']!r}].num_computed_tokens - "
+                           f"s{step}.num_scheduled_tokens[{f['rid']!r}]")
+            for rid in tables.get(step, ()):
+                out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
+                           f"{rid!r})[0]")
+        elif e[0] in ("add", "process", "finish"):
+            out.append(_call_line(e, tables))
+    out += _assertion(f, cfg, B)
+    return out
+
+
+def _call_line(e: tuple, tables: dict) -> str:
+    """The one vLLM call of a script entry (the one that raised)."""
+    if e[0] == "schedule":
+        return f"s{e[1]} = scheduler.schedule()" if isinstance(e[1], int) \
+            else "scheduler.schedule()"
+    if e[0] == "process":
+        _, step, sampled, failed = e
+        got = {r: n for r, n in sampled.items() if n}
+        fail = ""
+        if failed:
+            (_rid, slots), = failed.items()
+            fail = f", failed=[{', '.join(f'ids{step}[{x}]' for x in slots)}]"
+        return f"scheduler.update_from_output(s{step}, output(s{step}, {got!r}{fail}))"
+    if e[0] == "add":
+        var = f", variant={e[3]}" if e[3] else ""
+        return f"scheduler.add_request(request({e[1]!r}, {e[2]}, {e[4]}{var}))"
+    if e[0] == "finish":
+        return f"scheduler.finish_requests({e[1]!r}, RequestStatus.{e[2]})"
+    raise ExportError(f"a call of kind {e[0]} raised; not stated by this form")
+
+
+def _reads(cfg: Any, g: int, B: int) -> str:
+    """The cached positions the first position ``start`` of a step reads, as
+    ``range(lo, start)``, drawn per attention kind."""
+    grp = cfg.groups[g]
+    if grp.kind == "sliding":  # position t reads [t - W + 1, t]
+        return f"range(max(0, start - {grp.param - 1}), start)"
+    if grp.kind == "chunked_local":  # [t // C * C, t]
+        return f"range(start // {grp.param} * {grp.param}, start)"
+    return "range(0, start)"  # full attention: every earlier position
+
+
+def _message(text: str, width: int = 64) -> list[str]:
+    """An f-string message cut at spaces (never inside a replacement field)
+    into pieces of at most about ``width`` characters, one line each."""
+    words, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "{") - (ch == "}")
+        if ch == " " and depth == 0:
+            words.append(cur + " ")
+            cur = ""
+        else:
+            cur += ch
+    words.append(cur)
+    lines, line = [], ""
+    for w in words:
+        if line and len(line) + len(w) > width:
+            lines.append(line)
+            line = ""
+        line += w
+    lines.append(line)
+    return [f'    f"{ln}"' if "{" in ln else f'    "{ln}"' for ln in lines]
+
+
+def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
+    if f["fact"] == "raises":
+        return ["assert error is None, (",
+                *_message("vLLM raised {type(error).__name__}: {error}"), ")"]
+    rid, fact = f["rid"], f["fact"]
+    if fact in ("freed_while_read", "freed_before_settled"):
+        lg = f["logical"]
+        why = (f"while step {f['step']}, still in flight, reads position {f['position']}"
+               if fact == "freed_while_read" else
+               f"while a rollback to its settled count {f['settled']} reads it")
+        return [
+            f"now = tables[{f['group']}].req_to_blocks[{rid!r}][{lg}]",
+            "assert now is held and held.ref_cnt > 0, (",
+            *_message(f"{rid}'s block {{held.block_id}} (logical {lg}, positions "
+                      f"[{lg * B}, {(lg + 1) * B})) was freed {why}"),
+            ")",
+        ]
+    if fact == "reads_null":
+        s, g = f["step"], f["group"]
+        return [
+            f"table = tables[{g}].req_to_blocks[{rid!r}]",
+            f"null = sorted({{q // {B} for q in {_reads(cfg, g, B)} "
+            f"if table[q // {B}].is_null}})",
+            "assert not null, (",
+            *_message(f"step {s} computes {rid} from position {{start}}, whose window reads "
+                      f"logical block(s) {{null}}: {rid}'s block table maps them to the "
+                      f"NULL block"),
+            ")",
+        ]
+    s = f["step"]
+    return [
+        f"assert start <= {f['bad_from']}, (",
+        *_message(f"step {s} computes {rid} from position {{start}} and reads positions "
+                  f"[{f['bad_from']}, {f['bad_to']}), whose connector load failed and which "
+                  f"no step computed again"),
+        ")",
+    ]
+
+
+def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
+            body: list[str], version: str) -> str:
+    cfg = trace.config
+    finishes = any("RequestStatus." in ln for ln in body)
+    classes = sorted({type(s).__name__ for s in specs.values()})
+    spec_lines = [f"    {n!r}: {_spec_code(s)}," for n, s in specs.items()]
+    policy = (repr(cfg.kv_load_failure_policy) if cfg.hazard == "unordered" else None)
+    meta = trace.meta
+    title = str(meta.get("title") or name.replace("-", " "))
+    doc = textwrap.wrap(f"{title[:1].upper()}{title[1:]}.", 76)
+    found = f"vLLM raises {v.message}" if v.facts.get("fact") == "raises" else str(v)
+    doc += [""] + textwrap.wrap(f"Found by kvcheck on vllm {version} (its trace: {name}.json): "
+                                f"{found}", 76)
+    if meta.get("fixed_by"):
+        doc += textwrap.wrap(f"Passes with {meta['fixed_by']} applied.", 76)
+    head = [
+        "# SPDX-License-Identifier: Apache-2.0",
+        "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
+        '"""' + doc[0], *doc[1:], '"""', "",
+        "import pytest",
+        "import torch",
+        "",
+        f"from vllm.v1.kv_cache_interface import {', '.join(classes)}",
+        *(["from vllm.v1.request import RequestStatus"] if finishes else []),
+        "",
+        "from kvcheck_utils import build, output",
+        "",
+        "pytestmark = pytest.mark.cpu_test",
+        "",
+        "",
+        f"def test_{_identifier(name)}(tmp_path):",
+        "    layers = {",
+        *spec_lines,
+        "    }",
+        "    scheduler, request = build(",
+        f"        tmp_path, layers, num_blocks={cfg.num_blocks}, block_size={cfg.block_size},",
+        f"        max_num_batched_tokens={cfg.max_num_batched_tokens}, "
+        f"max_num_seqs={cfg.max_num_seqs},",
+        f"        max_model_len={cfg.max_model_len}, async_scheduling={cfg.depth == 2},",
+        f"        prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy})",
+        *(["    tables = scheduler.kv_cache_manager.coordinator.single_type_managers"]
+          if any("tables[" in ln for ln in body) else []),
+    ]
+    return "\n".join(head + [f"    {ln}" for ln in body]) + "\n"
+
+
+def _identifier(name: str) -> str:
+    import re
+
+    s = re.sub(r"\W+", "_", name).strip("_").lower()
+    return s if s and not s[0].isdigit() else f"t_{s}"
+
+
+# ------------------------------------------------------------ the main process
+
+
+def step_form(trace: Trace, name: str) -> tuple[str, str]:
+    """(test, kvcheck_utils.py), made beside the vLLM the trace shows on where
+    that speaks 0.33's API, else beside vllm@0.33.0, formatted as vLLM
+    formats its tests (ruff format, 88 columns)."""
+    import re
+
+    from properties.jobs import WorkerGone, _call
+
+    target = str(trace.meta.get("target") or "vllm@0.33.0")
+    if not re.match(r"vllm@(0\.33\.|[^0-9])", target):
+        target = "vllm@0.33.0"
+    try:
+        text, utils = _call(target, 0, "impl.vllm.export_steps:export_job", (trace, name))
+    except WorkerGone as e:
+        raise ExportError(f"the replay on {target} crashed: "
+                          f"{str(e).strip().splitlines()[-1]}") from None
+    return formatted(text), formatted(utils)
+
+
+def export(trace: Trace, name: str) -> tuple[str, str | None, str]:
+    """(test, its helpers or None, why the step form was not used or "")."""
+    from impl.vllm import export as replaying
+
+    try:
+        text, utils = step_form(trace, name)
+        return text, utils, ""
+    except ExportError as e:
+        why = str(e)
+    try:
+        return replaying.vllm_test_source(trace, name), None, why
+    except replaying.ExportError as e:
+        raise ExportError(f"{why}; {e}") from None
+
+
+def formatted(text: str) -> str:
+    """``ruff format`` at 88 columns."""
+    import subprocess
+    import sys
+
+    ruff = Path(sys.executable).with_name("ruff")
+    try:
+        r = subprocess.run([str(ruff), "format", "--line-length", "88", "-"], input=text,
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return text
+    return r.stdout if r.returncode == 0 else text
