@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  ./kvcheck export findings/failed-load-recompute-reads-null-sliding.json "
+        epilog="example:\n  ./kvcheck export findings/failed-load-recompute-reads-null-sliding.json"
+               " "
                "--vllm-test test_null_read.py\nthe test makes vLLM's calls one by one "
                "(schedule(), update_from_output(), ...) and asserts on vLLM's objects at the "
                "step that breaks; its helpers go beside it (kvcheck_utils.py). What that form "
