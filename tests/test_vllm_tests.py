@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from impl.vllm.export import ExportError, vllm_test_source
+from impl.vllm.export_steps import export
 from model.events import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,57 +37,80 @@ def _module(stem: str) -> Path:
 EXPORTED = [s for s in TRACES if _module(s).is_file()]
 
 
-def _on_033(trace: Trace) -> bool:
-    return trace.meta.get("target", "vllm@0.33.0").startswith("vllm@0.33.")
+def _steps(stem: str) -> bool:
+    """Written in the step form (vLLM's calls one by one, kvcheck_utils beside)."""
+    return "from kvcheck_utils import" in _module(stem).read_text()
+
+
+def _runs_on(stem: str) -> str:
+    """Where the module shows the bug: the trace's vLLM, or, for a step-form
+    module of a trace found on an older line, vllm@0.33.0 (its calls' API)."""
+    target = TRACES[stem].meta.get("target", "vllm@0.33.0")
+    if _steps(stem) and not target.startswith("vllm@0.33."):
+        return "vllm@0.33.0"
+    return target
 
 
 def test_every_finding_has_its_vllm_test():
-    """Every finding that shows on the 0.33 line (the exported tests speak its API)."""
-    want = set()
-    for s, t in TRACES.items():
-        try:
-            vllm_test_source(t, s)
-            want.add(s)
-        except ExportError as e:  # refused with a reason, never for the 0.33 API alone
-            assert not _on_033(t) or "0.33's API" not in str(e), (s, e)
-    assert set(EXPORTED) == want, want ^ set(EXPORTED)
-    assert {p.name for p in TESTS.glob("test_*.py")} == {_module(s).name for s in want}
-    older = next(s for s, t in TRACES.items() if not _on_033(t))
-    with pytest.raises(ExportError, match="0.33"):
-        vllm_test_source(TRACES[older], older)
+    assert set(EXPORTED) == set(TRACES)
+    assert {p.name for p in TESTS.glob("test_*.py")} == {_module(s).name for s in TRACES}
+    steps = [s for s in EXPORTED if _steps(s)]
+    lines = [len(_module(s).read_text().splitlines()) for s in steps]
+    assert steps and max(lines) <= 120, dict(zip(steps, lines, strict=True))
+    for s in steps:
+        text = _module(s).read_text()
+        assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n")
+        assert "pytestmark = pytest.mark.cpu_test" in text and "_registry" not in text
+        assert max(map(len, text.splitlines())) <= 88, s
+        test = text[text.index("\ndef test_"):]
+        assert "\n    assert " in test, s  # the test function asserts itself
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("stem", EXPORTED)
 def test_module_is_what_the_exporter_writes(stem):
-    assert _module(stem).read_text() == vllm_test_source(TRACES[stem], stem), (
+    text, _, _ = export(TRACES[stem], stem)
+    assert _module(stem).read_text() == text, (
         f"regenerate: ./kvcheck export findings/{stem}.json --vllm-test ...")
 
 
+@pytest.mark.vllm
+def test_the_helpers_are_what_the_exporter_writes():
+    stem = next(s for s in EXPORTED if _steps(s))
+    _, utils, _ = export(TRACES[stem], stem)
+    assert (TESTS / "kvcheck_utils.py").read_text() == utils
+    import inspect
+
+    from impl.vllm import build
+
+    assert inspect.getsource(build.plan_kv_cache).strip() in utils  # the driver's own steps
+
+
+@pytest.mark.vllm
 def test_export_refuses_what_it_cannot_state(tmp_path, capsys):
-    src = ROOT / "findings" / "failed-load-prefix-hit-reads-missing-kv.json"
+    src = ROOT / "findings" / "failed-load-recompute-reads-null-sliding.json"
     t = Trace.load(src)
-    cases = {
-        "drain": Trace(t.config, [*t.events, *Trace.from_json(
-            {"version": 1, "config": t.config.to_json(), "events": [{"type": "Drain"}]}
-        ).events], {}),
-        "prop1": Trace(t.config, t.events, {"violation": "property 1 (freed-while-read): x"}),
-        "prop7_no_drain": Trace(t.config, t.events, {"violation": "property 7 (progress): x"}),
-    }
-    for name, trace in cases.items():
-        path = tmp_path / f"{name}.json"
-        trace.save(path)
-        out = tmp_path / f"test_{name}.py"
-        assert main(["export", str(path), "--vllm-test", str(out)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "cannot be exported" in err[0], err
-        assert not out.exists()
+    holds = Trace(t.config, t.events[:1], {"violation": "property 1 (freed-while-read): x"})
+    path = tmp_path / "holds.json"
+    holds.save(path)
+    out = tmp_path / "test_holds.py"
+    assert main(["export", str(path), "--vllm-test", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing to assert" in err[0], err
+    assert not out.exists()
     out = tmp_path / "test_kept.py"
     out.write_text("# mine\n")
     assert main(["export", str(src), "--vllm-test", str(out)]) == 2
     assert out.read_text() == "# mine\n"
-    fresh = tmp_path / "test_fresh.py"
+    (tmp_path / "kvcheck_utils.py").write_text("# mine too\n")
+    assert main(["export", str(src), "--vllm-test", str(tmp_path / "test_x.py")]) == 2
+    assert "differs" in capsys.readouterr().err
+    assert (tmp_path / "kvcheck_utils.py").read_text() == "# mine too\n"
+    fresh = tmp_path / "fresh" / "test_fresh.py"
+    fresh.parent.mkdir()
     assert main(["export", str(src), "--vllm-test", str(fresh)]) == 0
-    assert fresh.read_text() == vllm_test_source(t, src.stem)
+    assert fresh.read_text() == _module(src.stem).read_text()
+    assert (fresh.parent / "kvcheck_utils.py").is_file()
 
 
 def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
@@ -122,13 +145,19 @@ def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
 def test_vllm_tests_fail_where_the_findings_show(tmp_path):
     groups = defaultdict(list)
     for stem in EXPORTED:
-        groups[TRACES[stem].meta.get("target", "vllm@0.33.0")].append(stem)
+        groups[_runs_on(stem)].append(stem)
     for target, stems in groups.items():
         for stem, failure in _run(target.removeprefix("vllm@"), stems, tmp_path).items():
             meta = TRACES[stem].meta
             assert failure is not None, f"{stem} passes on {target}"
             if "crash" in meta:
-                assert meta["crash"] in failure, (stem, failure[:600])
+                assert meta["crash"].split(":")[0] in failure, (stem, failure[:600])
+                continue
+            if _steps(stem):  # its own assertion, naming the request and the step
+                v = meta["violation"]
+                assert "AssertionError" in failure and re.search(r"r\d+", v)[0] in failure
+                step = re.search(r"step \d+", v)
+                assert step is None or step[0] in failure, (stem, failure[:600])
                 continue
             v = meta["violation"]
             # the property, the step (property 7: what stalled, up to the requests) and request

@@ -172,6 +172,12 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
         elif e[0] in ("add", "process", "finish"):
             out.append(_call_line(e, tables))
     out += _assertion(f, cfg, B)
+    # a step output nothing reads later is not named
+    text = "\n".join(out)
+    for i, ln in enumerate(out):
+        name = ln.partition(" = scheduler.schedule()")[0]
+        if name != ln and text.count(name) == 1:
+            out[i] = "scheduler.schedule()"
     return out
 
 
@@ -276,11 +282,15 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
     spec_lines = [f"    {n!r}: {_spec_code(s)}," for n, s in specs.items()]
     policy = (repr(cfg.kv_load_failure_policy) if cfg.hazard == "unordered" else None)
     meta = trace.meta
-    title = str(meta.get("title") or name.replace("-", " "))
+    title = str(meta.get("title") or f"property {v.prop} ({v.name}) fails"
+                if v.prop else meta.get("title") or "vLLM raises")
     doc = textwrap.wrap(f"{title[:1].upper()}{title[1:]}.", 76)
     found = f"vLLM raises {v.message}" if v.facts.get("fact") == "raises" else str(v)
-    doc += [""] + textwrap.wrap(f"Found by kvcheck on vllm {version} (its trace: {name}.json): "
-                                f"{found}", 76)
+    where = str(meta.get("target") or f"vllm@{version}")
+    if "/" in where:  # a checkout's path says nothing to a reader elsewhere
+        where = f"a vLLM tree of the {version} line"
+    doc += [""] + textwrap.wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
+                                f"these calls, replayed on vllm {version}: {found}", 76)
     if meta.get("fixed_by"):
         doc += textwrap.wrap(f"Passes with {meta['fixed_by']} applied.", 76)
     head = [
@@ -358,15 +368,22 @@ def export(trace: Trace, name: str) -> tuple[str, str | None, str]:
         raise ExportError(f"{why}; {e}") from None
 
 
+RUFF_CONFIG = Path(__file__).resolve().parent / "vllm-test-ruff.toml"
+
+
 def formatted(text: str) -> str:
-    """``ruff format`` at 88 columns."""
+    """The imports sorted and the text formatted as vLLM's tests are (ruff,
+    :data:`RUFF_CONFIG`: 88 columns, vllm first-party)."""
     import subprocess
     import sys
 
-    ruff = Path(sys.executable).with_name("ruff")
-    try:
-        r = subprocess.run([str(ruff), "format", "--line-length", "88", "-"], input=text,
-                           capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return text
-    return r.stdout if r.returncode == 0 else text
+    ruff = str(Path(sys.executable).with_name("ruff"))
+    for args in (["check", "--fix", "--select", "I", "--quiet"], ["format"]):
+        try:
+            r = subprocess.run([ruff, *args, "--config", str(RUFF_CONFIG), "-"], input=text,
+                               capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return text
+        if r.returncode == 0 and r.stdout:
+            text = r.stdout
+    return text

@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers of the tests kvcheck exports (``./kvcheck export``), as
+tests/v1/core/utils.py is for vLLM's own tests: a scheduler built the way
+EngineCore builds one, a KV consumer connector that offers prompt tokens,
+requests and model runner outputs.
+"""
+
+import json
+from typing import Any
+
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+
+OUTPUT_TOKEN = 7  # every sampled token
+CONNECTOR = "KvcheckTestConnector"
+
+
+class OfferingConnector(KVConnectorBase_V1, SupportsHMA):
+    """A KV consumer offering ``offers[req_id]`` prompt tokens once, loaded
+    synchronously in the step that admits the request (its scheduler side
+    only: no worker runs here)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.offers: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        offered = self.offers.get(request.request_id, 0)
+        return max(0, offered - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.offers.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        self.offers.pop(request.request_id, None)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
+
+    def start_load_kv(self, forward_context, **kwargs):
+        return None
+
+    def wait_for_layer_load(self, layer_name):
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return None
+
+    def wait_for_save(self):
+        return None
+
+
+KVConnectorFactory.register_connector(CONNECTOR, __name__, "OfferingConnector")
+
+
+# the engine's steps, as kvcheck's driver runs them (impl/vllm/build.py)
+
+
+def plan_kv_cache(
+    vllm_config: Any, layer_specs: dict[str, Any], num_blocks: int
+) -> tuple[Any, int, int]:
+    """The scheduler's KV-cache config, block size and hash block size."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core import kv_cache_planning as planning
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    vc, specs = vllm_config, [dict(layer_specs)]
+    vc.cache_config.num_gpu_blocks_override = num_blocks
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on CUDA
+    register_all_kvcache_specs(vc)
+    resolve_kv_cache_layout(vc, [["NHD"]], list(layer_specs.values()))
+    groups = planning.get_global_kv_cache_groups(vc, specs)
+    configs = planning.get_kv_cache_configs(vc, specs, [1 << 40], groups)
+    for c in configs:
+        c.kv_cache_layout = vc.cache_config.kv_cache_layout
+    kvc = kcu.generate_scheduler_kv_cache_config(configs)
+    vc.cache_config.num_gpu_blocks = kvc.num_blocks
+    sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+    cacheable = [
+        g.kv_cache_spec.block_size
+        for g in kvc.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    ]
+    vc.cache_config.block_size = min(cacheable or sizes)
+    kcu.update_kv_cache_capacity(vc, kvc)
+    vc.validate_block_size()
+    block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(kvc, vc)
+    align = kcu.resolve_cache_hit_alignment_tokens(kvc, vc, block_size, hash_block_size)
+    kvc.hash_block_size, kvc.cache_hit_alignment_tokens = hash_block_size, align
+    return kvc, block_size, hash_block_size
+
+
+def build_scheduler(
+    vllm_config: Any, layer_specs: dict[str, Any], num_blocks: int
+) -> Any:
+    """The scheduler the engine core builds for these layers."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kvc, block_size, hash_block_size = plan_kv_cache(
+        vllm_config, layer_specs, num_blocks
+    )
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kvc,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        include_finished_set=False,
+        log_stats=False,
+    )
+
+
+def build(
+    tmp_path,
+    layer_specs,
+    num_blocks,
+    block_size,
+    max_num_batched_tokens,
+    max_num_seqs,
+    max_model_len,
+    async_scheduling,
+    prefix_caching,
+    load_failure_policy=None,
+):
+    """The scheduler of a tiny OPT config with these layers (no weights are
+    loaded), and a function making its requests; ``load_failure_policy``:
+    with the KV consumer connector, failed loads handled that way."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["OPTForCausalLM"],
+                "model_type": "opt",
+                "hidden_size": 64,
+                "ffn_dim": 128,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 32000,
+                "max_position_embeddings": 131072,
+                "word_embed_proj_dim": 64,
+            }
+        )
+    )
+    kv_transfer = None
+    if load_failure_policy is not None:
+        kv_transfer = KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_role="kv_consumer",
+            kv_load_failure_policy=load_failure_policy,
+        )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(tmp_path), skip_tokenizer_init=True, max_model_len=max_model_len
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=prefix_caching
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            async_scheduling=async_scheduling,
+        ),
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig(device="cpu"),
+    )
+    scheduler = build_scheduler(vllm_config, layer_specs, num_blocks)
+    hasher = None
+    if prefix_caching or kv_transfer is not None:
+        fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        kv_cache_utils.init_none_hash(fn)
+        hasher = kv_cache_utils.get_request_block_hasher(
+            scheduler.kv_cache_config.hash_block_size, fn
+        )
+
+    def request(req_id, num_prompt_tokens, max_tokens, variant=0):
+        tokens = list(range(100, 100 + num_prompt_tokens))
+        if variant:  # prompts of one variant share every prefix
+            tokens[variant - 1] = variant
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(req_id, tokens, params, None, block_hasher=hasher)
+
+    return scheduler, request
+
+
+def output(scheduler_output, sampled, failed=()):
+    """What the model runner returns for a step: ``sampled[req_id]`` tokens
+    for each request (none where absent), ``failed``: the blocks whose
+    connector load failed."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    failed_loads = KVConnectorOutput(invalid_block_ids=set(failed)) if failed else None
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[OUTPUT_TOKEN] * sampled.get(r, 0) for r in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+        kv_connector_output=failed_loads,
+    )
