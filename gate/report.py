@@ -18,7 +18,7 @@ from gate.attribution import Fixed
 VERDICTS = {0: "PASS", 1: "FAIL", 2: "UNSUPPORTED ROWS", 3: "TARGET FAILED", 4: "INCOMPLETE"}
 SHOWN = 8  # introduced counterexamples listed one by one on the terminal
 ORDER = ("introduced", "new", "harness error", "unavailable", "unsupported", "not covered",
-         "not run", "on base", "known", "holds")
+         "not run", "changed", "on base", "known", "holds")
 
 
 @dataclass
@@ -56,6 +56,8 @@ def _counts(run: GateRun) -> str:
     fixed = len(run.fixed) + sum(1 for r in run.results if r.get("fixed_from_base"))
     parts = [f"introduced {c['introduced'] + c['new']}", f"also on base {c['on base']}",
              f"fixed {fixed}", f"hold {c['holds']}", f"not covered {c['not covered']}"]
+    if c["changed"]:
+        parts.insert(3, f"changed (frees later, safe) {c['changed']}")
     if c["not run"]:
         parts.append(f"not run (--fail-fast) {c['not run']}")
     if run.base is None:
@@ -137,6 +139,11 @@ def summary(run: GateRun, md: bool = False) -> list[str]:
                 out.append(f"  ({r['base_note'][:160]})")
         if len(bad) > SHOWN:
             out.append(f"- and {len(bad) - SHOWN} more in gate.md")
+    changed = [r for r in res if r["status"] == "changed"]
+    if changed:
+        s = _shortest(changed)[0]
+        out += ["", f"changed, safe (frees later than the settled rule, property 6): "
+                    f"{len(changed)} row(s), e.g. {s['id']}: {code(s['trace'] or '-')}"]
     on = [r for r in res if r["status"] in ("on base", "known")]
     if on:
         groups: dict[str, list[dict]] = defaultdict(list)

@@ -21,6 +21,8 @@ introduced     1 / 3  its counterexample (a crash: 3) fails on the target
                       only (:mod:`gate.attribution`)
 on base        0      its counterexample fails on the base the same way;
                       named when it is a known finding
+changed        0      (property 6) the target frees later than the settled
+                      rule where the base does not: safe, listed
 known          0      (no base: the nightly) a known finding
 new            1 / 3  (no base) a counterexample no finding explains
 unsupported    2      the target refuses the row's configs
@@ -193,6 +195,14 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
             out["trace"] = str(res.trace.save(cdir / f"{stem}.json"))
         if out["status"] != "new":
             return
+    elif v is not None and (v.facts or {}).get("fact") == "frees_later":
+        # a behaviour change that frees later than the settled rule: safe (a
+        # block held longer), listed, never failing the gate
+        out.update(status="changed", exit=0, base_note=on.note,
+                   verdict=f"changed: frees later than the settled rule ({what}), safe")
+        if res.trace is not None:
+            out["trace"] = str(res.trace.save(cdir / f"{row['id']}-changed.json"))
+        return
     else:
         out.update(status="introduced", verdict=f"introduced: {what}", exit=3 if crash else 1,
                    base_note=on.note)

@@ -329,7 +329,8 @@ def compare_letgo(ev: Event, mine: Observed, twin: Observed, target: str,
             f"(group {group}, {what}) and {target} does not")
     return Violation(6, f"at depth 1, {type(ev).__name__}: {side} (it lets go of "
                         f"{x or 'nothing'}, settled of {y or 'nothing'})",
-                     rid=rid, block=block, event_index=event_index), None
+                     rid=rid, block=block, event_index=event_index,
+                     facts=None if extra else {"fact": "frees_later", "rid": rid}), None
 
 
 def expected_witnesses(cfg: Config) -> set[str]:

@@ -223,7 +223,8 @@ class SettledRule:
                                f"[{r.start}, {r.end}) still holding its logical block "
                                f"{held[0]} (group {gi}, block {block}), which the settled "
                                f"rule lets go of before that step ({self._why(r)})",
-                            step=it.step, rid=r.rid, block=block, event_index=event_index)
+                            step=it.step, rid=r.rid, block=block, event_index=event_index,
+                            facts={"fact": "frees_later", "rid": r.rid})
             self._scheduled(it)
         if obs.counters is not None:
             for rid, rc in obs.counters.reqs.items():

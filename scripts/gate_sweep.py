@@ -114,7 +114,9 @@ def _known_among(intro: list[dict]) -> list[str]:
 def as_expected(row: dict) -> bool:
     if row["verdict"] == "ERROR" or row.get("known_introduced"):
         return False
-    if row["wanted"] == "survives":
+    if row["wanted"] == "survives" or row["expect"] == [6]:
+        # harmless, or a safe slip that frees later (property 6 alone): the
+        # gate lists it as changed and does not fail
         return row["exit"] != 1 and row["exit"] != 3
     return row["exit"] in (1, 3) and row["introduced"] > 0
 
