@@ -260,7 +260,11 @@ def run_fuzz(spec: FuzzSpec, examples: int, workers: int = 1, seed: int | None =
     os.close(fd)
     os.unlink(stop_file)  # its existence is the request to stop
 
+    closed = [False]  # the run is over: no thread may make the file again
+
     def stop_others(i: int) -> None:
+        if closed[0]:
+            return
         with contextlib.suppress(OSError):
             open(stop_file, "x").close()
 
@@ -300,6 +304,7 @@ def run_fuzz(spec: FuzzSpec, examples: int, workers: int = 1, seed: int | None =
         kill_all()
         raise
     finally:
+        closed[0] = True
         with contextlib.suppress(OSError):
             os.unlink(stop_file)
     if errors:

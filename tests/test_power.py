@@ -27,7 +27,8 @@ def test_null_read_after_rejection_found(policy):
     res = fuzz(spec, examples=400, seed=3)
     assert res.violation is not None and res.violation.prop == 2, res.violation
     assert "NULL" in res.violation.message
-    assert replay(res.trace, "reference").first.prop == 2
+    # a trace never narrows a replay: the property it was found checking is asked for
+    assert replay(res.trace, "reference", props=frozenset({2})).first.prop == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)

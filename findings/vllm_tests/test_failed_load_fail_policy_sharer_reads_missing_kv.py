@@ -52,8 +52,11 @@ def test_failed_load_fail_policy_sharer_reads_missing_kv(tmp_path):
     scheduler.schedule()
     scheduler.update_from_output(s0, output(s0, {}, failed=[ids0[0]]))
     s2 = scheduler.schedule()
-    start = scheduler.requests["r1"].num_computed_tokens - s2.num_scheduled_tokens["r1"]
-    assert start <= 23, (
+    start = None  # step 2 computes r1's [start, end)
+    if "r1" in s2.num_scheduled_tokens:
+        end = scheduler.requests["r1"].num_computed_tokens
+        start = end - s2.num_scheduled_tokens["r1"]
+    assert start is None or start <= 23, (
         f"step 2 computes r1 from position {start} and reads positions "
         "[23, 24), whose connector load failed and which no step "
         "computed again"

@@ -53,8 +53,11 @@ def test_failed_load_shared_prefix_trusted(tmp_path):
     )
     scheduler.finish_requests("r0", RequestStatus.FINISHED_STOPPED)
     s1 = scheduler.schedule()
-    start = scheduler.requests["r1"].num_computed_tokens - s1.num_scheduled_tokens["r1"]
-    assert start <= 0, (
+    start = None  # step 1 computes r1's [start, end)
+    if "r1" in s1.num_scheduled_tokens:
+        end = scheduler.requests["r1"].num_computed_tokens
+        start = end - s1.num_scheduled_tokens["r1"]
+    assert start is None or start <= 0, (
         f"step 1 computes r1 from position {start} and reads positions "
         "[0, 16), whose connector load failed and which no step computed "
         "again"

@@ -164,8 +164,11 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 continue
             out.append(_call_line(e, tables))
             if step == f.get("step") and f["fact"].startswith("reads"):
-                out.append(f"start = scheduler.requests[{f['rid']!r}].num_computed_tokens - "
-                           f"s{step}.num_scheduled_tokens[{f['rid']!r}]")
+                r = f["rid"]  # where it runs at all (a fix may have ended it)
+                out += [f"start = None  # step {step} computes {r}'s [start, end)",
+                        f"if {r!r} in s{step}.num_scheduled_tokens:",
+                        f"    end = scheduler.requests[{r!r}].num_computed_tokens",
+                        f"    start = end - s{step}.num_scheduled_tokens[{r!r}]"]
             for rid in tables.get(step, ()):
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
@@ -203,14 +206,14 @@ def _call_line(e: tuple, tables: dict) -> str:
 
 
 def _reads(cfg: Any, g: int, B: int) -> str:
-    """The cached positions the first position ``start`` of a step reads, as
-    ``range(lo, start)``, drawn per attention kind."""
+    """The positions a step computing ``[start, end)`` reads (and writes), as
+    ``range(lo, end)``, drawn per attention kind."""
     grp = cfg.groups[g]
     if grp.kind == "sliding":  # position t reads [t - W + 1, t]
-        return f"range(max(0, start - {grp.param - 1}), start)"
+        return f"range(max(0, start - {grp.param - 1}), end)"
     if grp.kind == "chunked_local":  # [t // C * C, t]
-        return f"range(start // {grp.param} * {grp.param}, start)"
-    return "range(0, start)"  # full attention: every earlier position
+        return f"range(start // {grp.param} * {grp.param}, end)"
+    return "range(0, end)"  # full attention: every earlier position
 
 
 def _message(text: str, width: int = 64) -> list[str]:
@@ -255,18 +258,18 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
     if fact == "reads_null":
         s, g = f["step"], f["group"]
         return [
-            f"table = tables[{g}].req_to_blocks[{rid!r}]",
-            f"null = sorted({{q // {B} for q in {_reads(cfg, g, B)} "
-            f"if table[q // {B}].is_null}})",
+            f"table = tables[{g}].req_to_blocks.get({rid!r}, [])",
+            f"null = [] if start is None else sorted({{q // {B} for q in "
+            f"{_reads(cfg, g, B)} if table[q // {B}].is_null}})",
             "assert not null, (",
-            *_message(f"step {s} computes {rid} from position {{start}}, whose window reads "
-                      f"logical block(s) {{null}}: {rid}'s block table maps them to the "
-                      f"NULL block"),
+            *_message(f"step {s} computes {rid}'s positions [{{start}}, {{end}}), whose windows "
+                      f"read logical block(s) {{null}}: {rid}'s block table maps them to "
+                      f"the NULL block"),
             ")",
         ]
     s = f["step"]
     return [
-        f"assert start <= {f['bad_from']}, (",
+        f"assert start is None or start <= {f['bad_from']}, (",
         *_message(f"step {s} computes {rid} from position {{start}} and reads positions "
                   f"[{f['bad_from']}, {f['bad_to']}), whose connector load failed and which "
                   f"no step computed again"),
