@@ -4,8 +4,11 @@ Every kind the target supports x hazard ordered / unordered x depth 1 / 2 / 3
 (pipeline parallel) x drafts off / on (2 draft tokens) x prefix caching off /
 on x connector loads that never fail / may fail (unordered only: loads need a
 KV-consumer connector). Rows the target cannot run are left out with the
-reason (Mamba's align mode: prefix caching on; failed loads on several
-KV-cache groups only where the tree survives them).
+reason (Mamba's align mode: prefix caching on; no prefix-caching rows for a
+kind that takes no prefix hits, a ring or cross attention; no connector rows
+and no pipeline-parallel rows for cross attention, which vLLM runs without
+either; failed loads on several KV-cache groups, a hybrid or a ring beside
+full attention, only where the tree survives them).
 
 A row id is short and the same on every machine: the kind, then the knobs
 (``sliding-unordered-d2-k2-pc-fl``: unordered hazard, depth 2, two draft
@@ -20,7 +23,7 @@ from typing import Any
 
 DEPTHS = (1, 2, 3)
 DRAFTS = 2  # draft tokens of a "drafts on" row
-KINDS = ("full", "sliding", "chunked_local", "rswa", "mamba", "sink", "hybrid")
+KINDS = ("full", "sliding", "chunked_local", "rswa", "mamba", "sink", "ring", "cross", "hybrid")
 KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
          "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
          "steps": int}
@@ -77,6 +80,7 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
     block-level load failure on several KV-cache groups
     (``VllmTarget.hybrid_failed_loads``; unmodified releases crash there,
     findings/failed-load-hybrid-crashes-*)."""
+    from model.kinds import KINDS as KIND_CLASSES
     from model.policy import DEFAULT_POLICY
 
     policy = caps.fixed_policy or DEFAULT_POLICY
@@ -86,8 +90,18 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
     rows = []
     for kind in kinds:
         pinned = {name: value for name, value, _ in caps.pinned.get(kind, ())}
+        cls = KIND_CLASSES.get(kind)
+        if cls is not None and not cls.prefix_cacheable:
+            pinned.setdefault("prefix_caching", False)
+        if kind in caps.ordered_only:
+            pinned.setdefault("hazard", "ordered")
+        several_groups = kind == "hybrid" or (cls is not None and bool(cls.beside))
         for hazard in ("ordered", "unordered"):
+            if "hazard" in pinned and pinned["hazard"] != hazard:
+                continue
             for depth in DEPTHS:
+                if depth > caps.kind_max_depth.get(kind, (depth, ""))[0]:
+                    continue
                 for drafts in (0, DRAFTS):
                     if "spec_tokens" in pinned and pinned["spec_tokens"] != drafts:
                         continue
@@ -96,7 +110,7 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
                             continue
                         loads = (False,) if hazard == "ordered" else (False, True)
                         for fail in loads:
-                            if fail and kind == "hybrid" and not hybrid_failed_loads:
+                            if fail and several_groups and not hybrid_failed_loads:
                                 continue
                             knobs = {"hazard": hazard, "depth": depth, "spec_tokens": drafts,
                                      "prefix_caching": prefix, "external": hazard == "unordered",
@@ -104,9 +118,22 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
                             rows.append(make_row(target, kind, policy, knobs))
     if "mamba" in kinds:
         notes.append("mamba: prefix caching on only (vLLM's align mode here)")
-    if "hybrid" in kinds and not hybrid_failed_loads:
-        notes.append("hybrid: no failed-load rows (this tree crashes on a failed load over "
-                     "several KV-cache groups, findings/failed-load-hybrid-crashes-*)")
+    for k in ("ring", "cross"):
+        if k in kinds:
+            notes.append(f"{k}: no prefix-caching rows (vLLM's "
+                         f"{KIND_CLASSES[k].vllm_manager} takes no prefix hits)")
+    for k in caps.ordered_only:
+        if k in kinds:
+            notes.append(f"{k}: ordered rows only ({caps.ordered_only[k]})")
+    for k, (depth, why) in caps.kind_max_depth.items():
+        if k in kinds:
+            notes.append(f"{k}: depth {depth} at most ({why})")
+    several = [k for k in kinds if k not in caps.ordered_only and (
+        k == "hybrid" or (KIND_CLASSES.get(k) is not None and KIND_CLASSES[k].beside))]
+    if several and not hybrid_failed_loads:
+        notes.append(f"{', '.join(several)}: no failed-load rows (this tree crashes on a "
+                     "failed load over several KV-cache groups, "
+                     "findings/failed-load-hybrid-crashes-*)")
     return rows, notes
 
 

@@ -42,6 +42,10 @@ class Capabilities:
     # (model.mamba_slots: vLLM's align mode); otherwise in the block of their
     # position (the reference). The attention replay reads them accordingly.
     mamba_align: bool = False
+    # kinds the target runs with an in-order hazard only (no KV connector), and why
+    ordered_only: dict[str, str] = field(default_factory=dict)
+    # kinds the target runs at fewer steps in flight than max_depth: (depth, why)
+    kind_max_depth: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:

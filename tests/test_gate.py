@@ -65,6 +65,30 @@ def test_row_ids_short_stable_and_without_path_or_policy():
     assert all("-fl" in r["id"] for r in narrow(rows, ["-fl"]))
 
 
+def test_matrix_leaves_out_what_a_kind_cannot_run():
+    caps = Capabilities(kinds=frozenset({"ring", "cross", "sliding"}), fixed_policy="settled",
+                        ordered_only={"cross": "no connectors"},
+                        kind_max_depth={"cross": (2, "no pipeline parallelism")})
+    rows, notes = gate_matrix("vllm@0.33.0", caps)
+    of = {k: [r for r in rows if r["kind"] == k] for k in ("ring", "cross", "sliding")}
+    # a ring takes no prefix hits and lies beside full attention (two groups:
+    # no failed loads on a release), but runs behind a connector
+    assert {r["knobs"]["prefix_caching"] for r in of["ring"]} == {False}
+    assert {r["knobs"]["hazard"] for r in of["ring"]} == {"ordered", "unordered"}
+    assert not any(r["knobs"]["failed_loads"] for r in of["ring"])
+    assert len(of["ring"]) == 12
+    # cross attention: ordered only, depth 1-2
+    assert {(r["knobs"]["hazard"], r["knobs"]["depth"]) for r in of["cross"]} == {
+        ("ordered", 1), ("ordered", 2)}
+    assert len(of["cross"]) == 4
+    # a single-group kind keeps the whole cross product
+    assert len(of["sliding"]) == 36 and any(r["knobs"]["failed_loads"] for r in of["sliding"])
+    assert "cross: ordered rows only (no connectors)" in notes
+    assert any(n.startswith("ring: no failed-load rows") for n in notes)
+    wider, _ = gate_matrix("vllm@0.33.0", caps, hybrid_failed_loads=True)
+    assert any(r["knobs"]["failed_loads"] for r in wider if r["kind"] == "ring")
+
+
 # ----------------------------------------------------------- the verdicts
 
 

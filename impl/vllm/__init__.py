@@ -441,6 +441,9 @@ class VllmTarget:
                  "Mamba with --prefix-caching on ('align' mode)"),
             )},
             mamba_align=True,
+            ordered_only={"cross": "vLLM runs encoder-decoder models without KV connectors"},
+            kind_max_depth={"cross": (2, "vLLM runs encoder-decoder models without "
+                                         "pipeline parallelism")},
         )
         self._fail_hybrid = False  # FailLoad on this config's groups: see hybrid_failed_loads
         self._reset_mirror()
