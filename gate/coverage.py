@@ -27,7 +27,8 @@ WEIGHT = 3.0  # a row that executes changed lines gets this many shares
 
 def _group(row: dict) -> tuple:
     k = row.get("knobs") or {}
-    return (row["kind"], k.get("hazard"), bool(k.get("failed_loads")))
+    return (row["kind"], k.get("hazard"), bool(k.get("failed_loads")), k.get("drafter"),
+            k.get("block_sizes"), k.get("match_unit"))
 
 
 def _widest(rows: list[dict]) -> dict:

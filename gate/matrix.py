@@ -12,7 +12,8 @@ full attention, only where the tree survives them).
 
 A row id is short and the same on every machine: the kind, then the knobs
 (``sliding-unordered-d2-k2-pc-fl``: unordered hazard, depth 2, two draft
-tokens, prefix caching on, failed loads on); no path, and no policy on a
+tokens, prefix caching on, failed loads on; ``full-ordered-d1-k2-pc-eagle``:
+an EAGLE drafter, no connector, so no loads); no path, and no policy on a
 target that implements its own. The nightly puts the target in front.
 """
 
@@ -26,13 +27,31 @@ DRAFTS = 2  # draft tokens of a "drafts on" row
 KINDS = ("full", "sliding", "chunked_local", "rswa", "mamba", "sink", "ring", "cross", "hybrid")
 KNOBS = {"depth": int, "spec_tokens": int, "hazard": str, "prefix_caching": bool,
          "block_size": int, "external": bool, "aligned_loads": bool, "failed_loads": bool,
-         "steps": int}
+         "steps": int, "drafter": str, "block_sizes": str, "match_unit": str}
 # how each knob is written in a row id: (prefix or the on / off words)
-_ID = {"depth": "d", "spec_tokens": "k", "block_size": "b", "steps": "s",
+_ID = {"depth": "d", "spec_tokens": "k", "block_size": "b", "steps": "s", "match_unit": "unit-",
        "prefix_caching": ("pc", "nopc"), "failed_loads": ("fl", "nofl"),
        "external": ("ext", "noext"), "aligned_loads": ("aligned", "unaligned")}
 _ORDER = ("hazard", "depth", "spec_tokens", "prefix_caching", "failed_loads", "external",
-          "block_size", "aligned_loads", "steps")
+          "block_size", "aligned_loads", "steps", "drafter", "block_sizes", "match_unit")
+# vLLM paths the cross product above does not take, one row per depth 1 / 2
+# each (ordered hazard, no failed loads): (kind, knobs, the path)
+FEATURES = (
+    ("full", {"spec_tokens": DRAFTS, "prefix_caching": True, "drafter": "eagle"},
+     "an EAGLE drafter: hashes and lookahead of the draft's extra token"),
+    ("sliding", {"spec_tokens": DRAFTS, "prefix_caching": False, "drafter": "eagle"},
+     "an EAGLE drafter's lookahead beside a window"),
+    ("sliding", {"spec_tokens": DRAFTS, "prefix_caching": False, "drafter": "mtp"},
+     "an MTP drafter's retained tokens beside a window"),
+    ("mamba", {"spec_tokens": DRAFTS, "prefix_caching": True, "drafter": "eagle"},
+     "an EAGLE drafter beside Mamba (a draft group of its own)"),
+    ("hybrid", {"spec_tokens": DRAFTS, "prefix_caching": True, "drafter": "mtp"},
+     "an MTP drafter on a hybrid model"),
+    ("hybrid", {"spec_tokens": 0, "prefix_caching": True, "block_sizes": "mixed"},
+     "groups of 1, 2 or 4 times the block size (hash units finer than a block)"),
+    ("hybrid", {"spec_tokens": 0, "prefix_caching": True, "match_unit": "fine"},
+     "prefix hits ending inside a block (prefix_match_unit below the block size)"),
+)
 
 
 def target_label(target: str) -> str:
@@ -58,6 +77,8 @@ def row_id(kind: str, knobs: dict, target: str | None = None,
         v, how = knobs[k], _ID.get(k)
         if k == "external" and "hazard" in knobs and v == (knobs["hazard"] == "unordered"):
             continue  # implied by the hazard (a connector is what makes it unordered)
+        if k == "failed_loads" and not v and knobs.get("hazard") == "ordered":
+            continue  # implied: loads come from a connector, which an ordered row has not
         if isinstance(how, tuple):
             parts.append(how[0] if v else how[1])
         elif how:
@@ -137,6 +158,24 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
     return rows, notes
 
 
+def feature_rows(target: str, caps: Any) -> list[dict]:
+    """The rows of :data:`FEATURES` whose kind the target supports, at depth 1
+    and 2; each carries ``feature`` (the path it takes). Whether the target's
+    version has the path is for the gate to ask (:func:`gate.run.refusal`)."""
+    from model.policy import DEFAULT_POLICY
+
+    policy = caps.fixed_policy or DEFAULT_POLICY
+    rows = []
+    for kind, knobs, what in FEATURES:
+        if kind not in caps.kinds:
+            continue
+        for depth in (1, 2):
+            rows.append({**make_row(target, kind, policy, {
+                "hazard": "ordered", "depth": depth, **knobs, "external": False,
+                "failed_loads": False}), "feature": what})
+    return rows
+
+
 def narrow(rows: list[dict], patterns: list[str] | None = None,
            kinds: list[str] | None = None) -> list[dict]:
     """The rows whose id matches one of ``patterns`` (fnmatch; a pattern
@@ -160,4 +199,7 @@ def spec_of(row: dict):
                     hazard=k.get("hazard"), prefix_caching=k.get("prefix_caching"),
                     block_size=k.get("block_size"), external=k.get("external", True),
                     aligned_loads=k.get("aligned_loads", True),
-                    fail_loads=k.get("failed_loads", True), max_steps=k.get("steps"))
+                    fail_loads=k.get("failed_loads", True), max_steps=k.get("steps"),
+                    drafter=k.get("drafter", "ngram"),
+                    block_sizes=k.get("block_sizes", "uniform"),
+                    match_unit=k.get("match_unit", "block"))

@@ -20,7 +20,7 @@ from typing import Any
 from gate.attribution import fixed_by_change
 from gate.base import Changes, changed_lines, default_base, given_base
 from gate.known import known_findings
-from gate.matrix import gate_matrix, narrow
+from gate.matrix import feature_rows, gate_matrix, narrow, spec_of
 from gate.report import GateRun, markdown, summary, write_junit
 from gate.rows import exit_status, run_rows
 from report.output import fresh_run_dir, replace_file
@@ -52,6 +52,50 @@ class GateOptions:
     probe: bool = True  # time where the change is (gate.coverage); off: even shares
 
 
+def refusal(target: Any, row: dict) -> str | None:
+    """Why ``target`` cannot run ``row`` (a version without the path it
+    takes), or None: the row's simplest config (Hypothesis's ``find`` on the
+    config strategy) set up on the target."""
+    from hypothesis import HealthCheck, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    from impl.target import Unsupported, fit_spec
+    from properties.machine import config_strategy
+
+    spec = spec_of(row)
+    try:
+        fit_spec(row["target"], target.capabilities, spec)
+        cfg = find(config_strategy(spec), lambda c: True,
+                   settings=settings(database=None, max_examples=50,
+                                     suppress_health_check=list(HealthCheck)))
+        target.reset(cfg)
+    except Unsupported as e:
+        return " ".join(str(e).split())[:200]
+    except NoSuchExample:
+        return "no config of this row can be drawn"
+    return None
+
+
+def _runnable(rows: list[dict], target: Any, base: Any) -> tuple[list[dict], list[str]]:
+    """The rows without the feature rows the target's version lacks, and a
+    note on each left out. A row the target refuses but the base runs stays
+    (the change broke that path: the row says how)."""
+    from impl.target import make_target
+
+    kept, notes, base_target = [], [], None
+    for row in rows:
+        why = refusal(target, row) if row.get("feature") else None
+        if why and not base.same:
+            base_target = base_target or make_target(base.target)
+            if refusal(base_target, {**row, "target": base.target}) is None:
+                why = None
+        if why:
+            notes.append(f"{row['id']}: left out, the target refuses it ({why})")
+        else:
+            kept.append(row)
+    return kept, notes
+
+
 def min_budget(target: str) -> float:
     return MIN_BUDGET_S.get(target.partition("@")[0], 30.0)
 
@@ -72,8 +116,11 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
     hybrid_loads = ("hybrid" in target.capabilities.kinds and hybrid_probe is not None
                     and hybrid_probe())
     rows, notes = gate_matrix(o.target, target.capabilities, hybrid_failed_loads=hybrid_loads)
+    rows += feature_rows(o.target, target.capabilities)
     everything = len(rows)
     rows = narrow(rows, o.rows, o.kinds)
+    rows, left_out = _runnable(rows, target, base)
+    notes += left_out
     if not rows:
         raise Unsupported(f"--rows {' '.join(o.rows) or '-'} --kind {' '.join(o.kinds) or '-'}: "
                           f"no row of the {everything} in the matrix is left")

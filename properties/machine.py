@@ -227,8 +227,11 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                 mixes += [("mamba",), ("sliding", "mamba")]
             if spec.block_sizes == "mixed":
                 # vLLM's chunked-local manager takes no block size but the
-                # scheduler's (an assertion in its find_longest_cache_hit)
-                mixes = [m for m in mixes if not any(KINDS[k].vllm_one_block_size for k in m)]
+                # scheduler's (an assertion in its find_longest_cache_hit),
+                # and a Mamba state takes the config's: a mix needs an
+                # attention group beside full attention to differ from it
+                mixes = [m for m in mixes if not any(KINDS[k].vllm_one_block_size for k in m)
+                         and any(KINDS[k].own_block_size for k in m)]
             if spec.match_unit == "fine":
                 # the layout where vLLM enables hits inside a block: full
                 # attention and Mamba, hashed finer than their common block

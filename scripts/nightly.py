@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gate.matrix import KNOBS, gate_matrix, row_id, target_label  # noqa: E402 - one home
+from gate.matrix import KNOBS, feature_rows, gate_matrix, row_id, target_label  # noqa: E402
 
 KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid", "rswa", "sink")
 REFERENCE_KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
@@ -121,6 +121,7 @@ def default_matrix(cache: dict, vllm: str = DEFAULT_VLLM) -> tuple[list[dict], l
                      "policy": "-", "knobs": {}, "unavailable": why, "source": "default"})
     else:
         gate, notes = gate_matrix(vllm, caps)
+        gate += feature_rows(vllm, caps)
         rows += [{**r, "id": f"{target_label(vllm)}-{r['id']}", "source": "default"}
                  for r in gate]
     return rows, notes

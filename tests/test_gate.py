@@ -53,14 +53,14 @@ def test_row_ids_short_stable_and_without_path_or_policy():
     assert [r["id"] for r in rows] == [r["id"] for r in same]  # the folder is not in it
     ids = {r["id"] for r in rows}
     assert len(ids) == len(rows) and max(map(len, ids)) <= 40
-    assert "sliding-unordered-d3-k2-pc-fl" in ids and "full-ordered-d1-k0-nopc-nofl" in ids
+    assert "sliding-unordered-d3-k2-pc-fl" in ids and "full-ordered-d1-k0-nopc" in ids
     assert not any("settled" in i or "/" in i for i in ids)
     assert target_label("vllm@/tmp/pr") == "vllm-tree"
     assert row_id("sliding", {"depth": 2}, "reference", "optimistic") == \
         "reference-sliding-optimistic-d2"
     assert [r["id"] for r in narrow(rows, ["sliding-ordered-d1-*"])] == [
-        "sliding-ordered-d1-k0-nopc-nofl", "sliding-ordered-d1-k0-pc-nofl",
-        "sliding-ordered-d1-k2-nopc-nofl", "sliding-ordered-d1-k2-pc-nofl"]
+        "sliding-ordered-d1-k0-nopc", "sliding-ordered-d1-k0-pc",
+        "sliding-ordered-d1-k2-nopc", "sliding-ordered-d1-k2-pc"]
     assert {r["kind"] for r in narrow(rows, kinds=["full"])} == {"full"}
     assert all("-fl" in r["id"] for r in narrow(rows, ["-fl"]))
 
@@ -87,6 +87,25 @@ def test_matrix_leaves_out_what_a_kind_cannot_run():
     assert any(n.startswith("ring: no failed-load rows") for n in notes)
     wider, _ = gate_matrix("vllm@0.33.0", caps, hybrid_failed_loads=True)
     assert any(r["knobs"]["failed_loads"] for r in wider if r["kind"] == "ring")
+
+
+def test_feature_rows_the_target_lacks_are_left_out_with_its_reason():
+    from gate.base import default_base
+    from gate.matrix import feature_rows
+    from gate.run import _runnable
+    from impl.target import make_target
+
+    target = make_target("reference")
+    rows = feature_rows("reference", target.capabilities)
+    assert {r["knobs"]["depth"] for r in rows} == {1, 2} and all(r["feature"] for r in rows)
+    kept, notes = _runnable(rows, target, default_base("reference"))
+    # the reference has no model drafters; it has mixed block sizes and fine hash units
+    assert {r["knobs"].get("drafter") for r in kept} == {None}
+    assert {r["id"] for r in kept} >= {"hybrid-ordered-d1-k0-pc-mixed",
+                                       "hybrid-ordered-d2-k0-pc-unit-fine"}
+    assert len(notes) == len(rows) - len(kept) and len(notes) > 0
+    assert all("left out, the target refuses it (reference: drafts come from prompt lookup"
+               in n for n in notes)
 
 
 # ----------------------------------------------------------- the verdicts
@@ -274,7 +293,7 @@ def test_changed_lines_missed_and_rows_that_execute_them_first():
     from gate.coverage import WEIGHT, Probe, prioritize
 
     ch = Changes({"vllm/a.py": [3, 4, 5, 9], "vllm/b.py": [1]})
-    p = Probe({"vllm/a.py": {4}}, {("sliding", "ordered", False)}, 2, 1.0)
+    p = Probe({"vllm/a.py": {4}}, {("sliding", "ordered", False, None, None, None)}, 2, 1.0)
     assert p.count() == 1 and "1 of 5" in p.text(ch)
     assert p.missed(ch) == ["vllm/a.py:3", "vllm/a.py:5", "vllm/a.py:9", "vllm/b.py:1"]
     caps = Capabilities(kinds=frozenset({"full", "sliding"}), fixed_policy="settled")

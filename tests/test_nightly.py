@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gate.matrix import gate_matrix
+from gate.matrix import feature_rows, gate_matrix
 from gate.rows import run_row
 from impl.target import Capabilities
 from properties.jobs import fuzz_job
@@ -48,12 +48,16 @@ def test_default_matrix_and_restrictions():
                        "reference-chunked_local-settled", "reference-mamba-settled",
                        "reference-hybrid-settled"]
     # the vLLM rows are the gate's matrix: one home for it
-    gate = gate_matrix("vllm@0.33.0", vllm_cache()["vllm@0.33.0"][0])[0]
-    assert ids[5:] == [f"vllm-0.33.0-{r['id']}" for r in gate] and len(gate) == 2 * (12 + 24)
+    caps = vllm_cache()["vllm@0.33.0"][0]
+    gate = gate_matrix("vllm@0.33.0", caps)[0]
+    features = feature_rows("vllm@0.33.0", caps)  # EAGLE and MTP beside full and sliding
+    assert len(gate) == 2 * (12 + 24) and len(features) == 6
+    assert ids[5:] == [f"vllm-0.33.0-{r['id']}" for r in gate + features]
     # ids are short and the same on every machine: no path, no policy on a vLLM row
     assert "sliding-unordered-d2-k2-pc-fl" in {r["id"] for r in gate}
     assert max(len(i) for i in ids) < 48 and not any("settled" in r["id"] for r in gate)
     assert {r["knobs"]["depth"] for r in gate} == {1, 2, 3}
+    assert "vllm-0.33.0-sliding-ordered-d1-k2-nopc-mtp" in ids
     assert {(r["knobs"]["hazard"], r["knobs"]["failed_loads"]) for r in gate} == {
         ("ordered", False), ("unordered", False), ("unordered", True)}
     assert all(r["unavailable"] is None for r in rows)
