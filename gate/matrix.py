@@ -59,13 +59,15 @@ def target_label(target: str) -> str:
     ``vllm-tree`` (never its path), a patched release with its diffs' stems."""
     from pathlib import Path
 
+    from impl.vllm.overlay import _stem, series
+
     engine, _, rest = target.partition("@")
     if not rest:
         return engine
-    release, *diffs = rest.split("+")
+    release, _, patches = rest.partition("+")
     if "/" in release or release.startswith((".", "~")):
         release = "tree"
-    return "-".join([engine, release, *(Path(d).stem for d in diffs)])
+    return "-".join([engine, release, *(_stem(Path(d)) for d in series(patches) if patches)])
 
 
 def row_id(kind: str, knobs: dict, target: str | None = None,

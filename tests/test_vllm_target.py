@@ -661,6 +661,31 @@ def test_cross_attention_configs_vllm_does_not_build_are_refused():
                            max_model_len=128, num_blocks=40))
 
 
+def test_a_series_of_diffs_applies_in_turn(tmp_path, monkeypatch):
+    """``RELEASE+A.diff+B.diff``: B applies to the tree A left (here to A's
+    own line), and a series whose second diff does not apply to what the
+    first left says which diff, after which."""
+    from impl.vllm import compat, overlay
+
+    assert overlay.series("a.diff+b+c.patch+d.diff") == ["a.diff", "b+c.patch", "d.diff"]
+    pool = "vllm/v1/core/block_pool.py"
+    a, b = tmp_path / "a.diff", tmp_path / "b.diff"
+    top = (compat.install_dir(FIXED) / pool).read_text().splitlines()[0]
+    a.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,2 @@\n {top}\n+# first\n")
+    b.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,2 +1,3 @@\n {top}\n # first\n"
+                 "+# second\n")
+    monkeypatch.setattr(compat, "REPO", tmp_path)
+    tree = overlay.overlay_tree(FIXED, [a, b])
+    text = (tree / pool).read_text()
+    assert text.startswith(f"{top}\n# first\n# second\n") and "-a-b-" in tree.name
+    assert (tree / "vllm" / "v1" / "request.py").is_symlink()
+    c, d = tmp_path / "c.diff", tmp_path / "d.diff"  # each replaces the first line
+    c.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,1 @@\n-{top}\n+# c\n")
+    d.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,1 @@\n-{top}\n+# d\n")
+    with pytest.raises(Unsupported, match=r"d.diff does not apply to vllm .* after c.diff"):
+        overlay.overlay_tree(FIXED, [c, d])
+
+
 def test_overlay_tree_replaces_a_stale_tree(tmp_path, monkeypatch):
     """A fix's tree links the release's real files (not a path through the
     checkout that built it), and a tree whose links lead into a folder that is

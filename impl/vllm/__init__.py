@@ -208,19 +208,21 @@ def resolve(spec: str) -> _Install:
     """``0.33.0`` -> the release installed in .vllm/0.33.0; a path -> that vLLM
     source checkout (its ``vllm/`` tree first on sys.path, over the installed
     release of the same line, else the newest installed one, for metadata);
-    ``0.33.0+FIX.diff`` -> the release with that diff applied
+    ``0.33.0+FIX.diff`` -> the release with that diff applied, and
+    ``0.33.0+A.diff+B.diff`` with a series applied in turn
     (:mod:`impl.vllm.overlay`), run as a checkout."""
     spec = spec.strip()
     release, plus, patch = spec.partition("+")
     if plus and compat.parse_release(release) is not None:
-        from .overlay import overlay_tree
+        from .overlay import _stem, overlay_tree, series
 
         problem = compat.release_problem(release)
         if problem:
             raise TargetError(problem)
-        tree = overlay_tree(release, Path(patch).expanduser())
+        diffs = [Path(d).expanduser() for d in series(patch)]
+        tree = overlay_tree(release, diffs)
         inst = resolve(str(tree))
-        inst.label = f"{release}+{Path(patch).name}"
+        inst.label = "+".join([release, *(_stem(d) + ".diff" for d in diffs)])
         return inst
     if compat.parse_release(spec) is not None:
         problem = compat.release_problem(spec)

@@ -7,6 +7,10 @@ files in which only the files the diff touches are real, patched copies
 (release, diff contents) under ``.vllm/trees/`` and then run as a source
 checkout (``vllm@PATH``). This is how a fix kept as a small diff is checked:
 fuzz the patched tree, replay the findings on it.
+
+A series, ``vllm@0.33.0+A.diff+B.diff``, applies its diffs in turn (each to
+the tree the ones before it left): fixes that build on each other are kept as
+the diffs that differ, never as hand-merged copies.
 """
 
 from __future__ import annotations
@@ -30,24 +34,46 @@ def touched_files(diff_text: str) -> list[str]:
     return sorted(set(_TOUCHED.findall(diff_text)))
 
 
-def overlay_tree(release: str, diff: Path) -> Path:
-    """The tree of ``release`` with ``diff`` applied (built on first use)."""
-    try:
-        text = diff.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise Unsupported(f"cannot read the patch {diff}: {e}") from None
-    files = touched_files(text)
-    if not files or any(not f.startswith("vllm/") or ".." in f for f in files):
-        raise Unsupported(f"{diff}: not a unified diff of files under vllm/ "
-                          f"(+++ b/vllm/... lines)")
+def series(patches: str) -> list[str]:
+    """The diffs of ``A.diff+B.diff`` in order (a ``+`` inside a name that
+    does not end a ``.diff`` or ``.patch`` stays in the name)."""
+    out, part = [], ""
+    for piece in patches.split("+"):
+        part = f"{part}+{piece}" if part else piece
+        if part.endswith((".diff", ".patch")):
+            out.append(part)
+            part = ""
+    if part:
+        out.append(part)
+    return out
+
+
+def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
+    """The tree of ``release`` with ``diff`` applied, or a series of diffs in
+    turn (built on first use)."""
+    diffs = list(diff) if isinstance(diff, list | tuple) else [diff]
+    if not diffs:
+        raise Unsupported(f"vllm {release}+: no diff named")
+    texts = []
+    for d in diffs:
+        try:
+            text = d.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise Unsupported(f"cannot read the patch {d}: {e}") from None
+        files = touched_files(text)
+        if not files or any(not f.startswith("vllm/") or ".." in f for f in files):
+            raise Unsupported(f"{d}: not a unified diff of files under vllm/ "
+                              f"(+++ b/vllm/... lines)")
+        texts.append(text)
     # the links name the release's real folder, not a path through this
     # checkout (a tree outlives the checkout that built it)
     base = compat.install_dir(release).resolve()
     if not (base / "vllm" / "__init__.py").is_file():
         raise Unsupported(f"vllm {release} is not installed; run: "
                           f"{compat.install_command(release)}")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    dest = compat.REPO / ".vllm" / "trees" / f"{release}-{diff.stem}-{digest}"
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
+    stems = "-".join(_stem(d) for d in diffs)[:100]
+    dest = compat.REPO / ".vllm" / "trees" / f"{release}-{stems}-{digest}"
     if (dest / "vllm" / "__init__.py").exists():
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
@@ -55,20 +81,24 @@ def overlay_tree(release: str, diff: Path) -> Path:
     tmp.mkdir(parents=True)
     shutil.copytree(base / "vllm", tmp / "vllm", copy_function=os.symlink,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for f in files:
-        p = tmp / f
-        if not p.is_symlink():
+    for i, (d, text) in enumerate(zip(diffs, texts, strict=True)):
+        for f in touched_files(text):
+            p = tmp / f
+            if not p.is_symlink():
+                if p.is_file():  # a diff before it in the series made it a copy
+                    continue
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise Unsupported(f"{d}: {f} is not a file of vllm {release}")
+            real = p.resolve()
+            p.unlink()
+            shutil.copyfile(real, p)
+        r = subprocess.run(["patch", "-p1", "--batch", "--forward", "--silent", "-d",
+                            str(tmp), "-i", str(d.resolve())], capture_output=True, text=True)
+        if r.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise Unsupported(f"{diff}: {f} is not a file of vllm {release}")
-        real = p.resolve()
-        p.unlink()
-        shutil.copyfile(real, p)
-    r = subprocess.run(["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tmp),
-                        "-i", str(diff.resolve())], capture_output=True, text=True)
-    if r.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        why = " ".join((r.stdout + r.stderr).split())[:200]
-        raise Unsupported(f"{diff} does not apply to vllm {release}: {why}")
+            why = " ".join((r.stdout + r.stderr).split())[:200]
+            after = f" after {', '.join(x.name for x in diffs[:i])}" if i else ""
+            raise Unsupported(f"{d} does not apply to vllm {release}{after}: {why}")
     for leftover in tmp.rglob("*.orig"):
         leftover.unlink()
     try:
@@ -82,3 +112,9 @@ def overlay_tree(release: str, diff: Path) -> Path:
             tmp.rename(dest)
             shutil.rmtree(stale, ignore_errors=True)
     return dest
+
+
+def _stem(d: Path) -> str:
+    """A diff's name in a tree's folder: ``fix`` of a finding's folder is
+    named by the folder (``05-mamba-align-.../fix.diff`` -> ``05-mamba-...``)."""
+    return d.parent.name if d.stem == "fix" and d.parent.parent.name == "findings" else d.stem
