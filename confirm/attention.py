@@ -31,8 +31,8 @@ What runs when (the device timeline this replay models)::
   stream): the moment a block is back in the pool (its last reference
   dropped, and not hit again from the prefix cache later, which would mean
   nobody evicted it) the writer fills it with a foreign pattern, what a
-  connector's load would leave. This is the hazard model of DESIGN.md ("may
-  write a block the moment it is in the pool"), so it applies even when the
+  connector's load would leave. This is the hazard model of docs/DESIGN.md
+  (such a writer "may write it at once"), so it applies even when the
   scheduler hands the block out again in the same call. A kernel of a step
   scheduled *before* that free sees the foreign pattern in the slots it reads
   there: where it wrote its own K/V, the load is taken to land between that

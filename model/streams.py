@@ -2,7 +2,7 @@
 random driver of them.
 
 :class:`EngineState` reads observations only and says which events are valid
-in the engine's order (DESIGN.md, events): a ``Schedule`` while fewer than
+in the engine's order (docs/DESIGN.md, events): a ``Schedule`` while fewer than
 ``depth`` steps are in flight, a ``Process`` of the oldest step naming only
 its own drafts, an ``AddRequest`` of a new id that fits ``max_model_len``, a
 ``Preempt`` of a running request holding blocks, a ``FailLoad`` of a block

@@ -1,4 +1,4 @@
-"""The properties of DESIGN.md as checks over observations.
+"""The properties of docs/DESIGN.md as checks over observations.
 
 A :class:`Checker` is fed, event by event, what a target reported
 (:class:`model.observations.Observed`) and keeps a shadow of what matters:

@@ -4,7 +4,7 @@ One :class:`KVMachine` subclass is made per fuzz setting (target, kind,
 policy, and the knobs fixed on the command line; :func:`make_machine`); its
 ``initialize`` rule draws the rest of the config from
 :func:`config_strategy`, and its rules then interleave the events of
-DESIGN.md. Preconditions come from the checker's shadow of the observations,
+docs/DESIGN.md. Preconditions come from the checker's shadow of the observations,
 so every target is driven the same way. An added request's id goes into the
 ``requests`` Bundle, which Finish / Abort consume and Preempt draws from; a
 rule's choices are one draw each (its arguments, or one strategy built per

@@ -1,7 +1,7 @@
 """Property 6's twin: the same events on a second target set to ``settled``.
 
 At depth 1 nothing is ever in flight when a manager frees, so every policy
-must free exactly what ``settled`` frees (DESIGN.md, property 6). The runner
+must free exactly what ``settled`` frees (docs/DESIGN.md, property 6). The runner
 (the state machine and ``replay``) feeds each event to a twin reset with the
 same config under ``settled``, and the first difference is the violation:
 

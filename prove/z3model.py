@@ -8,7 +8,7 @@ Three layers, each mirrored from the executable model:
    correspondence tests compare them with ``windows.py`` and with vLLM's own
    ``get_num_skipped_tokens``).
 
-2. **State and transitions** of one request (DESIGN.md's events as seen by
+2. **State and transitions** of one request (docs/DESIGN.md's events as seen by
    one request). Positions are tokens; a block boundary is kept in tokens too
    (``NF`` = null-prefix blocks times ``B``), so the rules stay linear::
 
