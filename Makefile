@@ -48,8 +48,8 @@ attention: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff check --config impl/vllm/vllm-test-ruff.toml findings/vllm_tests/kvcheck_utils.py $$(grep -l "^from kvcheck_utils import" findings/vllm_tests/test_*.py)
-	$(VENV)/bin/ruff format --check --config impl/vllm/vllm-test-ruff.toml findings/vllm_tests/kvcheck_utils.py $$(grep -l "^from kvcheck_utils import" findings/vllm_tests/test_*.py)
+	$(VENV)/bin/ruff check --config impl/vllm/vllm-test-ruff.toml findings/kvcheck_utils.py findings/conftest.py $$(grep -l "^from kvcheck_utils import" findings/[0-9]*/test_*.py)
+	$(VENV)/bin/ruff format --check --config impl/vllm/vllm-test-ruff.toml findings/kvcheck_utils.py findings/conftest.py $$(grep -l "^from kvcheck_utils import" findings/[0-9]*/test_*.py)
 
 bench: venv vllms
 	$(PY) -m bench

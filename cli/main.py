@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  ./kvcheck export findings/failed-load-recompute-reads-null-sliding.json"
-               " "
+        epilog="example:\n  ./kvcheck export findings/01-failed-load-recompute-reads-null/"
+               "failed-load-recompute-reads-null-sliding.json "
                "--vllm-test test_null_read.py\nthe test makes vLLM's calls one by one "
                "(schedule(), update_from_output(), ...) and asserts on vLLM's objects at the "
                "step that breaks; its helpers go beside it (kvcheck_utils.py). What that form "
@@ -382,8 +382,9 @@ def _say_known(res, target: str) -> None:
     release = version if engine == "vllm" and parse_release(version) else None
     known, how = name_of(res, findings, release, any_text=False)
     if known is not None:
-        print(f"known: {by_name(known, findings).label}{how}: a bug already on file "
-              f"(findings/{known}.json)")
+        f = by_name(known, findings)
+        where = f.path.relative_to(f.path.parents[2]) if f.path is not None else known
+        print(f"known: {f.label}{how}: a bug already on file ({where})")
 
 
 def _usable_json(path: str) -> None:

@@ -1,10 +1,11 @@
 """Known findings: the one home that fuzz, replay, the gate and the nightly
 ask whether a counterexample is a bug already on file.
 
-A finding is a trace under ``findings/`` with ``meta.finding`` (its number in
-findings/README.md), ``meta.title``, ``meta.upstream``, the property and text
-it ends in (``meta.expect``, or a crash's ``meta.crash``), and the fix that
-clears it (``meta.fixed_by``, a diff against ``meta.target``'s release).
+A finding is a trace in a finding's folder, ``findings/NN-NAME/*.json``
+(:func:`finding_traces`), with ``meta.finding`` (its number, ``NN``),
+``meta.title``, ``meta.upstream``, the property and text it ends in
+(``meta.expect``, or a crash's ``meta.crash``), and the fix that clears it
+(``meta.fixed_by``, a diff against ``meta.target``'s release).
 
 A counterexample is a finding by shape (:func:`classify`) when it shows the
 finding's property and text and holds the finding's event types, kinds,
@@ -64,13 +65,27 @@ class Finding:
         return f"finding {self.number}, {self.title or self.name}{up}"
 
 
+def finding_traces(folder: Path = FINDINGS) -> list[Path]:
+    """Every trace of the vLLM findings: ``findings/NN-NAME/*.json``, in
+    order of the findings' numbers (SGLang's are under ``findings/sglang/``)."""
+    return sorted(folder.glob("[0-9][0-9]-*/*.json"))
+
+
+def trace_path(stem: str, folder: Path = FINDINGS) -> Path:
+    """The trace of a finding by its name (the file's stem)."""
+    hit = [p for p in finding_traces(folder) if p.stem == stem]
+    if not hit:
+        raise FileNotFoundError(f"no finding trace named {stem} under {folder}")
+    return hit[0]
+
+
 def known_findings(folder: Path = FINDINGS) -> list[Finding]:
     """The findings on releases (a trace whose ``meta.target`` is a release
     with a fix applied is a counterexample to that fix, not a finding)."""
     from model.events import Trace
 
     out = []
-    for path in sorted(folder.glob("*.json")):
+    for path in finding_traces(folder):
         t = Trace.load(path)
         m = t.meta
         if "+" in str(m.get("target", "")):

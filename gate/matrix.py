@@ -102,7 +102,7 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
     is left out. Hybrids get failed-load rows only on a tree that survives a
     block-level load failure on several KV-cache groups
     (``VllmTarget.hybrid_failed_loads``; unmodified releases crash there,
-    findings/failed-load-hybrid-crashes-*)."""
+    findings/08-failed-load-hybrid-ends-engine)."""
     from model.kinds import KINDS as KIND_CLASSES
     from model.policy import DEFAULT_POLICY
 
@@ -156,7 +156,7 @@ def gate_matrix(target: str, caps: Any, kinds: tuple[str, ...] | None = None,
     if several and not hybrid_failed_loads:
         notes.append(f"{', '.join(several)}: no failed-load rows (this tree crashes on a "
                      "failed load over several KV-cache groups, "
-                     "findings/failed-load-hybrid-crashes-*)")
+                     "findings/08-failed-load-hybrid-ends-engine)")
     return rows, notes
 
 

@@ -33,6 +33,7 @@ from confirm.attention_kernels import (
     load_vllm_kernel,
     pick_device,
 )
+from gate.known import trace_path
 from model.events import Config, Group, Trace, sliding
 from model.observations import AllocObs, FreeObs, ProcessObs, ReqStep, StepObs
 from tests.vllm_targets import vllm_target
@@ -524,13 +525,13 @@ NAMED_STEP = ["partial-hit-copies-read-unfilled-copy",
               "mamba-align-relocated-block-written-twice",
               "mamba-align-relocated-block-checkpoint-overwritten"]
 FIXED = [n for n in NAMED_STEP
-         if "fixed_by" in Trace.load(ROOT / "findings" / f"{n}.json").meta]
+         if "fixed_by" in Trace.load(trace_path(n)).meta]
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMED_STEP)
 def test_finding_garbles_at_the_named_step(name):
-    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    t = Trace.load(trace_path(name))
     rep = replay_attention(t, vllm_target("0.33.0"), device="cpu")
     named = rep.named_step(2)
     assert named is not None, "the checker should flag property 2 on this trace"
@@ -543,7 +544,7 @@ def test_finding_garbles_at_the_named_step(name):
 @pytest.mark.parametrize("name", FIXED)
 def test_finding_exact_with_its_fix(name):
     """On the tree with the finding's fix (meta.fixed_by) the same replay is exact."""
-    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    t = Trace.load(trace_path(name))
     rep = replay_attention(t, vllm_target(f"0.33.0+{ROOT / t.meta['fixed_by']}"), device="cpu")
     assert rep.ok and rep.max_err <= FP32_TOL and rep.nan_reads == 0, format_report(rep)
     assert not rep.violations and rep.state_reads > 0, format_report(rep)

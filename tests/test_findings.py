@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from gate.known import finding_traces, trace_path
 from impl.target import TargetCrash
 from model.events import Schedule, Trace
 from properties.replay import InvalidEvent, replay
 
 ROOT = Path(__file__).resolve().parent.parent
-FINDINGS = sorted((ROOT / "findings").glob("*.json"))
+FINDINGS = finding_traces()
 
 
 def _target(spec: str) -> str:
@@ -147,7 +148,7 @@ def test_fail_policy_is_validated_and_saved_only_when_set(tmp_path):
 def test_failed_loads_on_hybrids_only_where_the_tree_survives_them():
     from impl.vllm import VllmTarget
 
-    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
+    crash = Trace.load(trace_path("failed-load-hybrid-crashes-0.33.0"))
     fixed = _target(f"0.33.0+{crash.meta['fixed_by']}")
     for spec, survives in (("0.33.0", False), (fixed, True)):
         t = VllmTarget(spec)
@@ -171,7 +172,7 @@ def test_failed_loads_on_hybrids_only_where_the_tree_survives_them():
 def test_mamba_joins_hybrids_with_loads_only_where_the_tree_survives_them():
     from properties.machine import FuzzSpec, fuzz
 
-    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
+    crash = Trace.load(trace_path("failed-load-hybrid-crashes-0.33.0"))
     fixed = _target(f"0.33.0+{crash.meta['fixed_by']}")
     for spec, survives in (("0.33.0", False), (fixed, True)):
         fs = FuzzSpec(target=f"vllm@{spec}", kind="hybrid", hazard="unordered",
@@ -224,7 +225,7 @@ F10_OTHERS = ("findings/fixes/mamba-align-keeps-speculative-blocks.diff",
 @pytest.mark.vllm
 def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
     for stem in F10:
-        trace = Trace.load(ROOT / "findings" / f"{stem}.json")
+        trace = Trace.load(trace_path(stem))
         rr = replay(trace, "vllm@0.33.0")
         assert rr.first is not None and rr.witness.get("state_block_moved", 0) > 0, stem
         for fix in (trace.meta["fixed_by"], F10_LOADS, *F10_OTHERS):
@@ -242,15 +243,15 @@ def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
                    {"type": "Schedule"}, {"type": "Schedule"}, {"type": "Process", "accepted": {}},
                    {"type": "Schedule"}, {"type": "Process", "accepted": {}},
                    {"type": "Process", "accepted": {}}]})
-    fix = Trace.load(ROOT / "findings" / f"{F10[0]}.json").meta["fixed_by"]
+    fix = Trace.load(trace_path(F10[0])).meta["fixed_by"]
     for target in ("vllm@0.33.0", f"vllm@0.33.0+{fix}"):
         rr = replay(chunked, _target(target))
         assert rr.crash is None and rr.first is None, (target, rr.crash or rr.first)
         assert rr.witness.get("state_block_moved") == 1, (target, rr.witness)
     # the combined tree keeps finding 8's first hybrid recovery (a failed load on a
     # hybrid survives); the chosen fix evicts copied states too
-    crash = Trace.load(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json")
-    rr, err = _run(ROOT / "findings" / "failed-load-hybrid-crashes-0.33.0.json",
+    crash = Trace.load(trace_path("failed-load-hybrid-crashes-0.33.0"))
+    rr, err = _run(trace_path("failed-load-hybrid-crashes-0.33.0"),
                    f"vllm@0.33.0+{F10_LOADS}")
     assert err is None and rr.crash is None and rr.first is None, err or rr.crash or rr.first
     assert crash.meta["fixed_by"] == (

@@ -12,7 +12,7 @@ import pytest
 
 from gate.attribution import fixed_by_change, replay_on_base
 from gate.base import Base, changed_lines, default_base
-from gate.known import by_name, known_findings, name_of
+from gate.known import by_name, known_findings, name_of, trace_path
 from gate.matrix import gate_matrix, narrow, row_id, target_label
 from gate.report import GateRun, summary, write_junit
 from gate.rows import exit_status
@@ -194,7 +194,7 @@ def test_checkout_without_git_is_compared_with_the_release_it_is_laid_over(tmp_p
 
 
 def _res(name):
-    t = Trace.load(ROOT / "findings" / f"{name}.json")
+    t = Trace.load(trace_path(name))
     f = by_name(name)
     spec = FuzzSpec(target="vllm@0.33.0", kind=t.config.groups[0].kind)
     if f.prop is None:
@@ -317,7 +317,7 @@ def kvcheck(*args, timeout=600, cwd=ROOT):
 
 @pytest.mark.vllm
 def test_replay_with_a_base_says_introduced_on_base_or_fixed(tmp_path):
-    trace = str(ROOT / "findings" / "failed-load-recompute-reads-null-sliding.json")
+    trace = str(trace_path("failed-load-recompute-reads-null-sliding"))
     fixed = f"vllm@0.33.0+{ROOT / FIX_SHARERS}"
     code, out, err = kvcheck("replay", trace, "--target", "vllm@0.33.0", "--base", fixed,
                              "--no-report", cwd=tmp_path)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gate.known import finding_traces
 from model.events import Drain, Trace
 from properties.jobs import _call
 
@@ -35,7 +36,7 @@ class FoldMismatch(AssertionError):
 
 def _traces() -> list[Path]:
     out = []
-    for p in sorted([*(ROOT / "findings").glob("*.json"), *(ROOT / "traces").rglob("*.json")]):
+    for p in sorted([*finding_traces(), *(ROOT / "traces").rglob("*.json")]):
         t = Trace.load(p).meta.get("target")
         if t is None or t.startswith("vllm@"):
             out.append(p)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gate.known import trace_path
 from model.events import Trace
 from model.observations import NULL, MoveObs, StepObs
 from properties.replay import replay
@@ -19,7 +20,7 @@ from tests.vllm_targets import vllm_target
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-FINDING = ROOT / "findings" / "mamba-align-relocated-block-written-twice.json"
+FINDING = trace_path("mamba-align-relocated-block-written-twice")
 RUNNING_SLOT = ROOT / "traces" / "vllm" / "mamba-drafts-state-in-running-slot-0.33.0.json"
 
 

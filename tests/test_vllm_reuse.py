@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gate.known import finding_traces
 from model.events import Drain, Trace
 from properties.jobs import _call
 
@@ -29,7 +30,7 @@ TARGET = "vllm@0.33.0"
 
 
 def _traces() -> list[Path]:
-    own = [p for p in sorted((ROOT / "findings").glob("*.json"))
+    own = [p for p in finding_traces()
            if Trace.load(p).meta.get("target") == TARGET]
     return own + sorted((ROOT / "traces" / "attention").glob("*.json"))
 

@@ -1,9 +1,11 @@
-"""The findings as tests in vLLM's own style (findings/vllm_tests/, written by
+"""The findings as tests in vLLM's own style (``findings/NN-NAME/test_*.py``
+beside their traces, the helpers in ``findings/kvcheck_utils.py``; written by
 ``./kvcheck export TRACE --vllm-test OUT.py``): each module is what the
 exporter writes from its trace today, fails on the release the trace names
 with the trace's violation, and passes on that release with the finding's fix
 (``meta.fixed_by``) applied. The modules run in a plain pytest process whose
-``PYTHONPATH`` holds only the vLLM tree: they need nothing of kvcheck."""
+``PYTHONPATH`` holds only the vLLM tree and the helpers: they need nothing
+of kvcheck."""
 
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from gate.known import finding_traces
 from impl.vllm.export_steps import export
 from model.events import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "findings" / "vllm_tests"
-TRACES = {p.stem: Trace.load(p) for p in sorted((ROOT / "findings").glob("*.json"))}
+HELPERS = ROOT / "findings" / "kvcheck_utils.py"
+PATHS = {p.stem: p for p in finding_traces()}
+TRACES = {stem: Trace.load(p) for stem, p in PATHS.items()}
 
 
 def _ident(stem: str) -> str:
@@ -31,7 +35,8 @@ def _ident(stem: str) -> str:
 
 
 def _module(stem: str) -> Path:
-    return TESTS / f"test_{_ident(stem)}.py"
+    """A trace's test: beside it, in its finding's folder."""
+    return PATHS[stem].parent / f"test_{_ident(stem)}.py"
 
 
 EXPORTED = [s for s in TRACES if _module(s).is_file()]
@@ -53,7 +58,8 @@ def _runs_on(stem: str) -> str:
 
 def test_every_finding_has_its_vllm_test():
     assert set(EXPORTED) == set(TRACES)
-    assert {p.name for p in TESTS.glob("test_*.py")} == {_module(s).name for s in TRACES}
+    assert set((ROOT / "findings").glob("[0-9][0-9]-*/test_*.py")) == {
+        _module(s) for s in TRACES}
     steps = [s for s in EXPORTED if _steps(s)]
     lines = [len(_module(s).read_text().splitlines()) for s in steps]
     assert steps and max(lines) <= 120, dict(zip(steps, lines, strict=True))
@@ -71,14 +77,14 @@ def test_every_finding_has_its_vllm_test():
 def test_module_is_what_the_exporter_writes(stem):
     text, _, _ = export(TRACES[stem], stem)
     assert _module(stem).read_text() == text, (
-        f"regenerate: ./kvcheck export findings/{stem}.json --vllm-test ...")
+        f"regenerate: ./kvcheck export {PATHS[stem].relative_to(ROOT)} --vllm-test ...")
 
 
 @pytest.mark.vllm
 def test_the_helpers_are_what_the_exporter_writes():
     stem = next(s for s in EXPORTED if _steps(s))
     _, utils, _ = export(TRACES[stem], stem)
-    assert (TESTS / "kvcheck_utils.py").read_text() == utils
+    assert HELPERS.read_text() == utils
     import ast
     import inspect
 
@@ -94,7 +100,7 @@ def test_the_helpers_are_what_the_exporter_writes():
 
 @pytest.mark.vllm
 def test_export_refuses_what_it_cannot_state(tmp_path, capsys):
-    src = ROOT / "findings" / "failed-load-recompute-reads-null-sliding.json"
+    src = PATHS["failed-load-recompute-reads-null-sliding"]
     t = Trace.load(src)
     holds = Trace(t.config, t.events[:1], {"violation": "property 1 (freed-while-read): x"})
     path = tmp_path / "holds.json"
@@ -128,7 +134,8 @@ def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
     inst = resolve(f"{release}+{ROOT / diff}" if plus else target)
     junit = tmp / f"junit-{len(list(tmp.glob('junit-*.xml')))}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONPATH=os.pathsep.join(map(str, inst.path)), HF_HUB_OFFLINE="1",
+    env.update(PYTHONPATH=os.pathsep.join(map(str, [*inst.path, HELPERS.parent])),
+               HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR", VLLM_NO_USAGE_STATS="1",
                OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

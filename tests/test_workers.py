@@ -107,7 +107,7 @@ def test_a_vllm_worker_that_hangs_is_stopped_exit_3(tmp_path):
 
 
 def test_gate_matrix_and_known_findings():
-    from gate.known import classify, known_findings
+    from gate.known import classify, known_findings, trace_path
     from gate.matrix import gate_matrix
     from gate.rows import exit_status
     from impl.target import Capabilities
@@ -135,7 +135,7 @@ def test_gate_matrix_and_known_findings():
     findings = known_findings()
     assert findings
     for f in findings:
-        t = Trace.load(ROOT / "findings" / f"{f.name}.json")
+        t = Trace.load(trace_path(f.name))
         if f.prop is None:
             res = FuzzResult(None, RunStats(), crash=f"vLLM raised: {f.text}", trace=t)
         else:
@@ -149,7 +149,7 @@ def test_gate_matrix_and_known_findings():
     assert not any(f.name == "failed-load-rollback-to-held-window-reads-null" for f in findings)
     # the same message on a counterexample without the finding's events is new
     sliding = next(f for f in findings if f.name == "failed-load-recompute-reads-null-sliding")
-    t = Trace.load(ROOT / "findings" / f"{sliding.name}.json")
+    t = Trace.load(trace_path(sliding.name))
     t = Trace(t.config, [e for e in t.events if type(e).__name__ != "FailLoad"])
     res = FuzzResult(None, RunStats(), violation=Violation(2, "maps to the NULL block"), trace=t)
     assert classify(res, findings) is None
@@ -158,7 +158,7 @@ def test_gate_matrix_and_known_findings():
 
 
 def test_gate_finding_text_and_load_failure_policy():
-    from gate.known import classify, known_findings
+    from gate.known import classify, known_findings, trace_path
     from model.events import Trace
     from properties.invariants import Violation
     from properties.machine import FuzzResult, RunStats
@@ -172,7 +172,7 @@ def test_gate_finding_text_and_load_failure_policy():
     assert sync.load_failure == "fail" and sync.says("the output of step 0 for r1 counts")
     assert not sync.says("the output of step 1 for r1 counts")
     # the same text under the recompute policy is not the fail-policy finding
-    t = Trace.load(ROOT / "findings" / f"{sync.name}.json")
+    t = Trace.load(trace_path(sync.name))
     v = Violation(2, "... the output of step 0 for r1 counts, but the step read ...")
     res = FuzzResult(None, RunStats(), violation=v, trace=t)
     assert classify(res, list(findings.values())) == sync.name

@@ -483,7 +483,7 @@ class VllmTarget:
     def hybrid_failed_loads(self, policy: str = "recompute") -> bool:
         """Whether this tree survives a connector's block-level load failure on
         a model of several KV-cache groups (``invalid_block_ids``; 0.25.1 and
-        0.33.0 end the engine: findings/failed-load-hybrid-crashes-*), under
+        0.33.0 end the engine: findings/08-failed-load-hybrid-ends-engine), under
         ``kv_load_failure_policy=policy``. Decided once per tree and policy by
         running that finding's shape on it (full + sliding, a 32-token load
         failing from block 1, in a session of its own): it survives if vLLM
