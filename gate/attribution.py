@@ -104,12 +104,16 @@ def finding_traces(folder: Path = FINDINGS) -> list[Path]:
 
 
 def _fix_files(diff: str | None) -> set[str]:
-    """The files a fix diff edits (``vllm/...``)."""
-    try:
-        text = (FINDINGS.parent / diff).read_text() if diff else ""
-    except OSError:
-        return set()
-    return set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M))
+    """The files a fix diff (or a series of them) edits (``vllm/...``)."""
+    from gate.known import fix_files
+
+    out: set[str] = set()
+    for p in fix_files(diff):
+        try:
+            out |= set(re.findall(r"^\+\+\+ b/(\S+)", p.read_text(), re.M))
+        except OSError:
+            continue
+    return out
 
 
 def likely_first(paths: list[Path], target: str, changed: set[str]) -> list[Path]:
@@ -123,7 +127,9 @@ def likely_first(paths: list[Path], target: str, changed: set[str]) -> list[Path
             fix = json.loads(p.read_text()).get("meta", {}).get("fixed_by")
         except (OSError, ValueError):
             return 2
-        if fix and Path(fix).name in target:
+        from impl.vllm.overlay import series
+
+        if fix and all(part in target for part in series(fix)):
             return 0
         return 1 if _fix_files(fix) & changed else 2
 

@@ -79,6 +79,33 @@ def trace_path(stem: str, folder: Path = FINDINGS) -> Path:
     return hit[0]
 
 
+def with_fix(target: str, fix: str | None) -> str:
+    """``target`` with a finding's fix applied: ``fix`` is a diff or a series
+    (``A.diff+B.diff``) of paths relative to the repository, as ``meta.target``
+    and ``meta.fixed_by`` name them; each is made absolute, so the target runs
+    from any folder."""
+    from impl.vllm.overlay import series
+
+    if not fix:
+        return target
+    return "+".join([target, *(str(ROOT / d) for d in series(fix))])
+
+
+def in_repo(target: str) -> str:
+    """A target named in a trace's meta (``vllm@R+findings/...diff``) with its
+    diffs' paths made absolute."""
+    engine, _, rest = target.partition("@")
+    release, plus, fix = rest.partition("+")
+    return with_fix(f"{engine}@{release}", fix) if plus else target
+
+
+def fix_files(fix: str | None) -> list[Path]:
+    """The diff files of a fix or a series of fixes."""
+    from impl.vllm.overlay import series
+
+    return [ROOT / d for d in series(fix)] if fix else []
+
+
 def known_findings(folder: Path = FINDINGS) -> list[Finding]:
     """The findings on releases (a trace whose ``meta.target`` is a release
     with a fix applied is a counterexample to that fix, not a finding)."""
@@ -180,7 +207,7 @@ def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 
         # a fix's tree runs in a worker of its own, started on first use
         if deadline is not None and time.monotonic() > deadline - FIX_START_S:
             return None
-        rr = replay(res.trace, f"{target}+{f.fixed_by}")
+        rr = replay(res.trace, with_fix(target, f.fixed_by))
         if rr.crash is None and not rr.violations:
             return f.name
     return None

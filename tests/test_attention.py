@@ -33,7 +33,7 @@ from confirm.attention_kernels import (
     load_vllm_kernel,
     pick_device,
 )
-from gate.known import trace_path
+from gate.known import trace_path, with_fix
 from model.events import Config, Group, Trace, sliding
 from model.observations import AllocObs, FreeObs, ProcessObs, ReqStep, StepObs
 from tests.vllm_targets import vllm_target
@@ -545,7 +545,8 @@ def test_finding_garbles_at_the_named_step(name):
 def test_finding_exact_with_its_fix(name):
     """On the tree with the finding's fix (meta.fixed_by) the same replay is exact."""
     t = Trace.load(trace_path(name))
-    rep = replay_attention(t, vllm_target(f"0.33.0+{ROOT / t.meta['fixed_by']}"), device="cpu")
+    fixed = with_fix("vllm@0.33.0", t.meta["fixed_by"]).removeprefix("vllm@")
+    rep = replay_attention(t, vllm_target(fixed), device="cpu")
     assert rep.ok and rep.max_err <= FP32_TOL and rep.nan_reads == 0, format_report(rep)
     assert not rep.violations and rep.state_reads > 0, format_report(rep)
 

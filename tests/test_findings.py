@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gate.known import finding_traces, trace_path
+from gate.known import finding_traces, fix_files, in_repo, trace_path
 from impl.target import TargetCrash
 from model.events import Schedule, Trace
 from properties.replay import InvalidEvent, replay
@@ -23,9 +23,8 @@ FINDINGS = finding_traces()
 
 
 def _target(spec: str) -> str:
-    """A target named in a finding, its diff's path taken from the repository."""
-    release, plus, diff = spec.partition("+")
-    return f"{release}+{ROOT / diff}" if plus else spec
+    """A target named in a finding, its diffs' paths taken from the repository."""
+    return in_repo(spec) if "@" in spec else in_repo(f"vllm@{spec}").removeprefix("vllm@")
 
 
 def _run(path: Path, target: str):
@@ -41,7 +40,7 @@ def test_findings_exist():
         meta = Trace.load(path).meta
         assert ("expect" in meta) != ("crash" in meta), path.name
         if "fixed_by" in meta:
-            assert (ROOT / meta["fixed_by"]).is_file(), meta["fixed_by"]
+            assert all(p.is_file() for p in fix_files(meta["fixed_by"])), meta["fixed_by"]
 
 
 @pytest.mark.vllm
@@ -254,5 +253,4 @@ def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
     rr, err = _run(trace_path("failed-load-hybrid-crashes-0.33.0"),
                    f"vllm@0.33.0+{F10_LOADS}")
     assert err is None and rr.crash is None and rr.first is None, err or rr.crash or rr.first
-    assert crash.meta["fixed_by"] == (
-        "findings/fixes/failed-load-recovery-hybrid-evicts-copied-states.diff")
+    assert crash.meta["fixed_by"] == "findings/08-failed-load-hybrid-ends-engine/fix.diff"

@@ -23,8 +23,10 @@ from report.output import OutputError, fresh_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 KVCHECK = ROOT / "kvcheck"
-FIX_SHARERS = "findings/fixes/failed-load-recovery-preempted-sharers.diff"
-FIX_MAMBA = "findings/fixes/mamba-align-counts-loaded-state-block.diff"
+FIX_SHARERS = "+".join(f"findings/{d}/fix.diff" for d in (  # findings 1-3 together
+    "01-failed-load-recompute-reads-null", "02-failed-load-blocks-stay-cached",
+    "03-failed-load-in-flight-output-delivered"))
+FIX_MAMBA = "findings/05-mamba-align-load-one-block-short/fix.diff"
 
 
 def gate(*args, timeout=600):

@@ -662,28 +662,37 @@ def test_cross_attention_configs_vllm_does_not_build_are_refused():
 
 
 def test_a_series_of_diffs_applies_in_turn(tmp_path, monkeypatch):
-    """``RELEASE+A.diff+B.diff``: B applies to the tree A left (here to A's
-    own line), and a series whose second diff does not apply to what the
-    first left says which diff, after which."""
+    """``RELEASE+A.diff+B.diff``: a diff written on top of A applies to the tree
+    A left; a diff of the release is merged into it (three-way, the release
+    the base), so fixes of one file compose; changes to the same lines are
+    refused with both names."""
     from impl.vllm import compat, overlay
 
     assert overlay.series("a.diff+b+c.patch+d.diff") == ["a.diff", "b+c.patch", "d.diff"]
     pool = "vllm/v1/core/block_pool.py"
-    a, b = tmp_path / "a.diff", tmp_path / "b.diff"
-    top = (compat.install_dir(FIXED) / pool).read_text().splitlines()[0]
-    a.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,2 @@\n {top}\n+# first\n")
-    b.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,2 +1,3 @@\n {top}\n # first\n"
-                 "+# second\n")
+    lines = (compat.install_dir(FIXED) / pool).read_text().splitlines()
+    top, n = lines[0], len(lines)
+
+    def diff(name: str, body: str):
+        (tmp_path / name).write_text(f"--- a/{pool}\n+++ b/{pool}\n{body}")
+        return tmp_path / name
+
+    a = diff("a.diff", f"@@ -1,1 +1,2 @@\n {top}\n+# first\n")
+    on_a = diff("b.diff", f"@@ -1,2 +1,3 @@\n {top}\n # first\n+# second\n")
+    end = diff("e.diff", f"@@ -{n},1 +{n},2 @@\n {lines[-1]}\n+# last\n")
     monkeypatch.setattr(compat, "REPO", tmp_path)
-    tree = overlay.overlay_tree(FIXED, [a, b])
+    tree = overlay.overlay_tree(FIXED, [a, on_a])
     text = (tree / pool).read_text()
     assert text.startswith(f"{top}\n# first\n# second\n") and "-a-b-" in tree.name
     assert (tree / "vllm" / "v1" / "request.py").is_symlink()
-    c, d = tmp_path / "c.diff", tmp_path / "d.diff"  # each replaces the first line
-    c.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,1 @@\n-{top}\n+# c\n")
-    d.write_text(f"--- a/{pool}\n+++ b/{pool}\n@@ -1,1 +1,1 @@\n-{top}\n+# d\n")
-    with pytest.raises(Unsupported, match=r"d.diff does not apply to vllm .* after c.diff"):
+    both = (overlay.overlay_tree(FIXED, [a, end]) / pool).read_text().splitlines()
+    assert both[:2] == [top, "# first"] and both[-1] == "# last" and len(both) == n + 2
+    c = diff("c.diff", f"@@ -1,1 +1,1 @@\n-{top}\n+# c\n")
+    d = diff("d.diff", f"@@ -1,1 +1,1 @@\n-{top}\n+# d\n")
+    with pytest.raises(Unsupported, match=r"d.diff changes lines of .*block_pool.py that "
+                                          r"the diffs before it change too \(after c.diff\)"):
         overlay.overlay_tree(FIXED, [c, d])
+    assert not list((tmp_path / ".vllm" / "trees").glob("*tmp*"))  # nothing half-built left
 
 
 def test_overlay_tree_replaces_a_stale_tree(tmp_path, monkeypatch):

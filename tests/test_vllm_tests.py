@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from gate.known import finding_traces
+from gate.known import finding_traces, in_repo
 from impl.vllm.export_steps import export
 from model.events import Trace
 
@@ -130,8 +130,7 @@ def _run(target: str, stems: list[str], tmp: Path) -> dict[str, str | None]:
     RELEASE+findings/fixes/X.diff); per stem its failure text (None: passed)."""
     from impl.vllm import resolve
 
-    release, plus, diff = target.partition("+")
-    inst = resolve(f"{release}+{ROOT / diff}" if plus else target)
+    inst = resolve(in_repo(f"vllm@{target}").removeprefix("vllm@"))
     junit = tmp / f"junit-{len(list(tmp.glob('junit-*.xml')))}.xml"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(PYTHONPATH=os.pathsep.join(map(str, [*inst.path, HELPERS.parent])),

@@ -8,9 +8,14 @@ files in which only the files the diff touches are real, patched copies
 checkout (``vllm@PATH``). This is how a fix kept as a small diff is checked:
 fuzz the patched tree, replay the findings on it.
 
-A series, ``vllm@0.33.0+A.diff+B.diff``, applies its diffs in turn (each to
-the tree the ones before it left): fixes that build on each other are kept as
-the diffs that differ, never as hand-merged copies.
+A series, ``vllm@0.33.0+A.diff+B.diff``, applies its diffs in turn. A diff
+written against the release (every finding's ``fix.diff``) is merged into
+the tree the ones before it left, file by file, as a three-way merge with the
+release as the common base (``git merge-file``): fixes of different findings
+in one function compose as long as they change different lines. A diff that
+does not apply to the release (one written on top of the diffs before it)
+is applied to that tree as it is. Changes that overlap are refused with the
+names of both sides: fixes are kept as diffs, never as hand-merged copies.
 """
 
 from __future__ import annotations
@@ -82,7 +87,9 @@ def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
     shutil.copytree(base / "vllm", tmp / "vllm", copy_function=os.symlink,
                     ignore=shutil.ignore_patterns("__pycache__"))
     for i, (d, text) in enumerate(zip(diffs, texts, strict=True)):
-        for f in touched_files(text):
+        after = f" after {', '.join(_stem(x) + '.diff' for x in diffs[:i])}" if i else ""
+        files = touched_files(text)
+        for f in files:
             p = tmp / f
             if not p.is_symlink():
                 if p.is_file():  # a diff before it in the series made it a copy
@@ -92,12 +99,16 @@ def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
             real = p.resolve()
             p.unlink()
             shutil.copyfile(real, p)
-        r = subprocess.run(["patch", "-p1", "--batch", "--forward", "--silent", "-d",
-                            str(tmp), "-i", str(d.resolve())], capture_output=True, text=True)
-        if r.returncode != 0:
+        alone = _patched(base, d, files) if i else None
+        if alone is not None:  # against the release: merged into what is there
+            try:
+                _merge(tmp, base, alone, files, d, after)
+            finally:
+                shutil.rmtree(alone, ignore_errors=True)
+            continue
+        why = _patch(tmp, d)
+        if why is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            why = " ".join((r.stdout + r.stderr).split())[:200]
-            after = f" after {', '.join(x.name for x in diffs[:i])}" if i else ""
             raise Unsupported(f"{d} does not apply to vllm {release}{after}: {why}")
     for leftover in tmp.rglob("*.orig"):
         leftover.unlink()
@@ -112,6 +123,45 @@ def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
             tmp.rename(dest)
             shutil.rmtree(stale, ignore_errors=True)
     return dest
+
+
+def _patch(tree: Path, diff: Path, fuzz: bool = True) -> str | None:
+    """Apply ``diff`` in ``tree``; None, or why not."""
+    r = subprocess.run(["patch", "-p1", "--batch", "--forward", "--silent", "-d", str(tree),
+                        *(() if fuzz else ("--fuzz=0",)), "-i", str(diff.resolve())],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else " ".join((r.stdout + r.stderr).split())[:200]
+
+
+def _patched(base: Path, diff: Path, files: list[str]) -> Path | None:
+    """A scratch folder with the release's ``files`` and ``diff`` applied to
+    them exactly (no fuzz), or None where it is not a diff of the release."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="kvcheck-merge-"))
+    for f in files:
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(base / f, out / f)
+    if _patch(out, diff, fuzz=False) is not None:
+        shutil.rmtree(out, ignore_errors=True)
+        return None
+    return out
+
+
+def _merge(tree: Path, base: Path, alone: Path, files: list[str], diff: Path,
+           after: str) -> None:
+    """Merge the release-relative change of ``diff`` (``alone``) into
+    ``tree``, file by file, the release as the common base."""
+    for f in files:
+        r = subprocess.run(["git", "merge-file", "-p", "-L", "series", "-L", "release",
+                            "-L", diff.name, str(tree / f), str(base / f), str(alone / f)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            shutil.rmtree(tree, ignore_errors=True)
+            raise Unsupported(f"{diff} changes lines of {f} that the diffs before it "
+                              f"change too ({after.strip() or 'the series'}): merge them "
+                              f"into one diff or order them")
+        (tree / f).write_text(r.stdout)
 
 
 def _stem(d: Path) -> str:
