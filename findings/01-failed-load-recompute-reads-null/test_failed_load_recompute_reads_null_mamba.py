@@ -2,7 +2,10 @@
 
 Shows on vllm@0.33.0: property 2 (null-read): step 1 (scheduled) computes r0 positions
 [16, 32); position 16 reads [15, 16] (mamba) but logical block 0 maps to the NULL block
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 
 Config: mamba B=16 blocks=6 depth=1 spec=0 policy=settled hazard=unordered prefix-
 caching

@@ -2,11 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A failed load recomputes from a window never allocated.
 
-Found by kvcheck on vllm@0.33.0 (its trace: failed-load-recompute-reads-
-null-sliding.json); these calls, replayed on vllm 0.33.0: property 2 (null-
-read): step 1 (scheduled) computes r0 positions [16, 32); position 16 reads
-[15, 16] (sliding(W=2)) but logical block 0 maps to the NULL block
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Found by kvcheck on vllm@0.33.0 (its trace:
+failed-load-recompute-reads-null-sliding.json); these calls, replayed on
+vllm 0.33.0: property 2 (null-read): step 1 (scheduled) computes r0
+positions [16, 32); position 16 reads [15, 16] (sliding(W=2)) but logical
+block 0 maps to the NULL block
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 """
 
 import pytest

@@ -1,11 +1,15 @@
 """failed-load-recovery-mamba-recomputes-into-null: a kvcheck trace replayed on vLLM's
 scheduler.
 
-Shows on vllm@0.33.0+findings/fixes/failed-load-recovery-preempted-sharers-and-mamba-
-align.diff: property 2 (null-read): step 2 (scheduled) computes r1 positions [0, 8);
-position 4 reads [3, 4] (mamba) but logical block 1 maps to the NULL block
-Passes with findings/fixes/failed-load-recovery-preempted-sharers-and-mamba.diff
-applied.
+Shows on vllm@0.33.0+findings/fixes/failed-load-recovery-preempted-
+sharers.diff+findings/05-mamba-align-load-one-block-short/fix.diff: property 2 (null-
+read): step 2 (scheduled) computes r1 positions [0, 8); position 4 reads [3, 4] (mamba)
+but logical block 1 maps to the NULL block
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
+    findings/05-mamba-align-load-one-block-short/fix.diff
 
 Config: mamba B=4 blocks=9 depth=2 spec=0 policy=settled hazard=unordered prefix-caching
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

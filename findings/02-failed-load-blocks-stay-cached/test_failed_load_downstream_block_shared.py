@@ -4,7 +4,10 @@ Shows on vllm@0.33.0: property 2 (null-read): step 2 (scheduled) computes r1 pos
 [25, 26); position 25 reads [23, 25] (sliding(W=3)) but block 3 (logical 2) holds no
 valid KV for positions [23, 24): a connector load into it failed and nothing computed
 them again
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 
 Config: sliding(W=3) B=8 blocks=8 depth=3 spec=0 policy=settled hazard=unordered prefix-
 caching

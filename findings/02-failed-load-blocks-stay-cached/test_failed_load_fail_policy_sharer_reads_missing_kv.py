@@ -2,12 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A prefix hit reads a failed load's blocks.
 
-Found by kvcheck on vllm@0.33.0 (its trace: failed-load-fail-policy-sharer-
-reads-missing-kv.json); these calls, replayed on vllm 0.33.0: property 2
-(null-read): step 2 (scheduled) computes r1 positions [25, 26); position 25
-reads [23, 25] (sliding(W=3)) but block 3 (logical 2) holds no valid KV for
-positions [23, 24): a connector load into it failed and nothing computed
-them again
+Found by kvcheck on vllm@0.33.0 (its trace:
+failed-load-fail-policy-sharer-reads-missing-kv.json); these calls, replayed
+on vllm 0.33.0: property 2 (null-read): step 2 (scheduled) computes r1
+positions [25, 26); position 25 reads [23, 25] (sliding(W=3)) but block 3
+(logical 2) holds no valid KV for positions [23, 24): a connector load into
+it failed and nothing computed them again
 Passes with findings/fixes/failed-load-fails-downstream-holders.diff
 applied.
 """

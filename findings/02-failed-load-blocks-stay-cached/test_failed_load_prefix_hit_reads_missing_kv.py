@@ -3,7 +3,10 @@
 Shows on vllm@0.33.0: property 2 (null-read): step 1 (scheduled) computes r0 positions
 [16, 17); position 16 reads [0, 16] (full) but block 1 (logical 0) holds no valid KV for
 positions [0, 16): a connector load into it failed and nothing computed them again
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 
 Config: full B=16 blocks=6 depth=2 spec=0 policy=settled hazard=unordered prefix-caching
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

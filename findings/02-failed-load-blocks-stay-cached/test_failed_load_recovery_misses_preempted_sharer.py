@@ -4,7 +4,10 @@ scheduler.
 Shows on vllm@0.33.0+findings/fixes/failed-load-recovery.diff: property 2 (null-read):
 the output of step 0 for r1 counts, but the step read block 1 (logical 0, positions [0,
 16)), which a failed connector load left without KV
-Passes with findings/fixes/failed-load-recovery-preempted-sharers.diff applied.
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 
 Config: rswa(R=1) B=16 blocks=12 depth=2 spec=1 policy=settled hazard=unordered prefix-
 caching

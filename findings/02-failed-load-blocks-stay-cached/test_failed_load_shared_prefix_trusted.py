@@ -2,12 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A prefix hit reads a failed load's blocks.
 
-Found by kvcheck on vllm@0.33.0 (its trace: failed-load-shared-prefix-
-trusted.json); these calls, replayed on vllm 0.33.0: property 2 (null-read):
-step 1 (scheduled) computes r1 positions [81, 82); position 81 reads [0, 81]
-(full) but block 1 (logical 0) holds no valid KV for positions [0, 16): a
-connector load into it failed and nothing computed them again
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Found by kvcheck on vllm@0.33.0 (its trace:
+failed-load-shared-prefix-trusted.json); these calls, replayed on vllm
+0.33.0: property 2 (null-read): step 1 (scheduled) computes r1 positions
+[81, 82); position 81 reads [0, 81] (full) but block 1 (logical 0) holds no
+valid KV for positions [0, 16): a connector load into it failed and nothing
+computed them again
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 """
 
 import pytest

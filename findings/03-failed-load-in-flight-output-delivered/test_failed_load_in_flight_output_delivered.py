@@ -3,7 +3,10 @@
 Shows on vllm@0.33.0: property 2 (null-read): the output of step 1 for r0 counts, but
 the step read block 1 (logical 0, positions [0, 3)), which a failed connector load left
 without KV
-Passes with findings/fixes/failed-load-recovery.diff applied.
+Passes with these diffs applied in turn:
+    findings/01-failed-load-recompute-reads-null/fix.diff
+    findings/02-failed-load-blocks-stay-cached/fix.diff
+    findings/03-failed-load-in-flight-output-delivered/fix.diff
 
 Config: full B=16 blocks=6 depth=2 spec=1 policy=settled hazard=unordered
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

@@ -4,7 +4,7 @@ Shows on vllm@0.33.0+findings/fixes/sink-manager-takes-kwargs.diff: property 2 (
 read): step 0 (scheduled) computes r0 positions [0, 1); every position reads the sink
 (sink(S=16), physical blocks 1) but block 1 holds, at sink token 0, KV of prompt
 position 0 (written by step 0 for r0), not the sink token 0
-Passes with findings/fixes/sink-manager-reserves-sink-blocks.diff applied.
+Passes with findings/04-sink-manager-startup-and-sink-blocks/fix.diff applied.
 
 Config: sink(S=16) B=16 blocks=7 depth=2 spec=0 policy=settled hazard=ordered
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

@@ -2,7 +2,7 @@
 
 Shows on vllm@0.33.0: target crash: TypeError: SinkFullAttentionManager.__init__() got
 an unexpected keyword argument 'needs_kv_cache_zeroing'
-Passes with findings/fixes/sink-manager-takes-kwargs.diff applied.
+Passes with findings/04-sink-manager-startup-and-sink-blocks/fix.diff applied.
 
 Config: sink(S=16) B=16 blocks=7 depth=2 spec=0 policy=settled hazard=ordered
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

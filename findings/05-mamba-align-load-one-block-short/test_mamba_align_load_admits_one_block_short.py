@@ -1,7 +1,7 @@
 """mamba-align-load-admits-one-block-short: a kvcheck trace replayed on vLLM's scheduler.
 
 Shows on vllm@0.33.0: target crash: ValueError: Cannot get 1 free blocks from the pool
-Passes with findings/fixes/mamba-align-counts-loaded-state-block.diff applied.
+Passes with findings/05-mamba-align-load-one-block-short/fix.diff applied.
 
 Config: mamba B=8 blocks=6 depth=2 spec=0 policy=settled hazard=unordered prefix-caching
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

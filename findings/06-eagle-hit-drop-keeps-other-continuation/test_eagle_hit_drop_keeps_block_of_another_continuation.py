@@ -5,7 +5,7 @@ Shows on vllm@0.33.0: property 2 (null-read): step 1 (scheduled) computes r2 pos
 [4, 8); position 4 reads [0, 4] (full) but block 1 (logical 0) holds, at position 3 (its
 EAGLE draft KV, built with the next token), KV of position 4 of a 4-token prompt and its
 outputs (written by step 0 for r0), not r2's prompt position 4
-Passes with findings/fixes/eagle-connector-uses-lookahead-hashes.diff applied.
+Passes with findings/06-eagle-hit-drop-keeps-other-continuation/fix.diff applied.
 
 Config: full B=4 blocks=9 depth=2 spec=1 policy=settled hazard=unordered prefix-caching
 drafter=eagle

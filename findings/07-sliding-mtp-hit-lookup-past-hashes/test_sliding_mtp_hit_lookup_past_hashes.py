@@ -1,7 +1,7 @@
 """sliding-mtp-hit-lookup-past-hashes: a kvcheck trace replayed on vLLM's scheduler.
 
 Shows on vllm@0.33.0: target crash: IndexError: list index out of range
-Passes with findings/fixes/sliding-hit-bounded-by-lookahead-hashes.diff applied.
+Passes with findings/07-sliding-mtp-hit-lookup-past-hashes/fix.diff applied.
 
 Config: sliding(W=16, R=1) B=16 blocks=12 depth=2 spec=2 policy=settled hazard=ordered
 prefix-caching drafter=mtp

@@ -2,11 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A failed load on a hybrid model ends the engine.
 
-Found by kvcheck on vllm@0.25.1 (its trace: failed-load-hybrid-
-crashes-0.25.1.json); these calls, replayed on vllm 0.33.0: vLLM raises
-RuntimeError: A KV connector reported block-level load failures
-(invalid_block_ids) which is not supported for models with multiple KV cache
-groups. Connectors must report failed requests via
+Found by kvcheck on vllm@0.25.1 (its trace:
+failed-load-hybrid-crashes-0.25.1.json); these calls, replayed on vllm
+0.33.0: vLLM raises RuntimeError: A KV connector reported block-level load
+failures (invalid_block_ids) which is not supported for models with multiple
+KV cache groups. Connectors must report failed requests via
 KVConnectorTransferResults.failed_recving instead.
 """
 

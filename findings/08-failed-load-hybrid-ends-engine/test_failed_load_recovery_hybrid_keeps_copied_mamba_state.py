@@ -5,8 +5,7 @@ Shows on vllm@0.33.0+findings/fixes/failed-load-recovery-hybrid.diff: property 2
 read): step 9 (scheduled) computes r1 positions [6, 8); position 6 reads [5, 6] (mamba)
 but block 7 (logical 1) holds no valid KV for positions [5, 6): a connector load into it
 failed and nothing computed them again
-Passes with findings/fixes/failed-load-recovery-hybrid-evicts-copied-states.diff
-applied.
+Passes with findings/08-failed-load-hybrid-ends-engine/fix.diff applied.
 
 Config: full+mamba B=4 blocks=26 depth=3 spec=0 policy=settled hazard=unordered prefix-
 caching prefix-match-unit=1

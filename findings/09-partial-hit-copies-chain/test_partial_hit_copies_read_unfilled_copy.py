@@ -3,7 +3,7 @@
 Shows on vllm@0.33.0: property 2 (null-read): step 2 (scheduled) computes r2 positions
 [8, 16); position 8 reads [0, 8] (full) but block 6 (logical 0) holds, at position 0, no
 KV: it is a copy of block 4, which held nothing when the copies before this step ran
-Passes with findings/fixes/partial-hit-copies-chain.diff applied.
+Passes with findings/09-partial-hit-copies-chain/fix.diff applied.
 
 Config: full+mamba B=16 blocks=17 depth=2 spec=0 policy=settled hazard=ordered prefix-
 caching prefix-match-unit=8

@@ -5,8 +5,7 @@ Shows on vllm@0.33.0: property 2 (null-read): step 5 computes r1 positions [13, 
 the Mamba state after position 12, which step 4 left at slot 6 (block 5, mamba), but
 step 4's postprocess copied the state after 11 there: the block names two slots of the
 worker's table
-Passes with findings/fixes/mamba-align-relocates-only-between-prefill-chunks.diff
-applied.
+Passes with findings/10-mamba-align-relocated-block-written-twice/fix.diff applied.
 
 Config: mamba+full(draft) B=4 blocks=21 depth=1 spec=4 policy=settled hazard=ordered
 prefix-caching drafter=mtp

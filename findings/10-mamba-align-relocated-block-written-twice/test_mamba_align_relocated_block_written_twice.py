@@ -4,8 +4,7 @@ Shows on vllm@0.33.0: property 2 (null-read): step 2 (shifted down 4 by rejectio
 computes r0 positions [4, 9) and writes the Mamba states after positions 4 and 8 (mamba)
 into one block, 3, named at slots 2 and 6 of the worker's table: the next step starts
 from the first if 0 draft(s) are accepted, and it holds the second
-Passes with findings/fixes/mamba-align-relocates-only-between-prefill-chunks.diff
-applied.
+Passes with findings/10-mamba-align-relocated-block-written-twice/fix.diff applied.
 
 Config: mamba B=4 blocks=13 depth=2 spec=4 policy=settled hazard=ordered prefix-caching
 Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs

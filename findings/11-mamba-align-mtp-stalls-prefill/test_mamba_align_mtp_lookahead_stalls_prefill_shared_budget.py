@@ -3,7 +3,7 @@ vLLM's scheduler.
 
 Shows on vllm@0.33.0: property 7 (progress): nothing is in flight and schedule()
 scheduled nothing 2 times in a row, while r1 have not finished
-Passes with findings/fixes/mamba-align-mtp-lookahead-keeps-block-edge.diff applied.
+Passes with findings/11-mamba-align-mtp-stalls-prefill/fix.diff applied.
 
 Config: full+full(draft)+mamba B=16 blocks=40 depth=1 spec=2 policy=settled
 hazard=ordered prefix-caching drafter=mtp

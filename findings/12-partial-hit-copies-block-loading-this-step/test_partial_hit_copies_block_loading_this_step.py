@@ -5,8 +5,7 @@ Shows on vllm@0.33.0: property 2 (null-read): step 1 (scheduled) computes r2 pos
 [4, 8); position 4 reads [0, 4] (full) but block 7 (logical 0) holds, at position 0, no
 KV: it is a copy of block 3, which held nothing when the copies before this step ran (a
 block handed out afresh, or one another copy of the same step was to fill)
-Passes with findings/fixes/partial-hit-defers-copy-of-block-cached-this-step.diff
-applied.
+Passes with findings/12-partial-hit-copies-block-loading-this-step/fix.diff applied.
 
 Config: full+mamba B=8 blocks=20 depth=2 spec=0 policy=settled hazard=unordered prefix-
 caching prefix-match-unit=4

@@ -118,7 +118,9 @@ def _docstring(trace: Trace, name: str) -> str:
         lines += textwrap.wrap(f"Shows on {meta.get('target', 'vllm@0.33.0')}: "
                                f"{meta['violation']}", 88)
     if "fixed_by" in meta:
-        lines += textwrap.wrap(f"Passes with {meta['fixed_by']} applied.", 88)
+        from .export_steps import passes_with
+
+        lines += passes_with(meta["fixed_by"], 88)
     lines += ["", *textwrap.wrap(f"Config: {trace.config.label()}", 88),
               "Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs",
               "vLLM (0.33 line) and pytest only. Run: pytest THIS_FILE"]

@@ -287,15 +287,15 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
     meta = trace.meta
     title = str(meta.get("title") or f"property {v.prop} ({v.name}) fails"
                 if v.prop else meta.get("title") or "vLLM raises")
-    doc = textwrap.wrap(f"{title[:1].upper()}{title[1:]}.", 76)
+    doc = _wrap(f"{title[:1].upper()}{title[1:]}.")
     found = f"vLLM raises {v.message}" if v.facts.get("fact") == "raises" else str(v)
     where = str(meta.get("target") or f"vllm@{version}")
     if "/" in where:  # a checkout's path says nothing to a reader elsewhere
         where = f"a vLLM tree of the {version} line"
-    doc += [""] + textwrap.wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
-                                f"these calls, replayed on vllm {version}: {found}", 76)
+    doc += [""] + _wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
+                        f"these calls, replayed on vllm {version}: {found}")
     if meta.get("fixed_by"):
-        doc += textwrap.wrap(f"Passes with {meta['fixed_by']} applied.", 76)
+        doc += passes_with(meta["fixed_by"])
     head = [
         "# SPDX-License-Identifier: Apache-2.0",
         "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
@@ -325,6 +325,21 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
           if any("tables[" in ln for ln in body) else []),
     ]
     return "\n".join(head + [f"    {ln}" for ln in body]) + "\n"
+
+
+def _wrap(text: str, width: int = 76) -> list[str]:
+    """Docstring lines; names with hyphens (traces, diffs) stay whole."""
+    return textwrap.wrap(text, width, break_on_hyphens=False)
+
+
+def passes_with(fixed_by: str, width: int = 76) -> list[str]:
+    """The docstring's line on the fix: one diff, or a series a line each."""
+    from .overlay import series
+
+    parts = series(fixed_by)
+    if len(parts) == 1:
+        return _wrap(f"Passes with {parts[0]} applied.", width)
+    return ["Passes with these diffs applied in turn:", *(f"    {d}" for d in parts)]
 
 
 def _identifier(name: str) -> str:
