@@ -15,7 +15,8 @@ def add_parser(sub: Any) -> None:
         "gate", help="fuzz the matrix a reviewer needs within a time budget, against a base",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  ./kvcheck gate --target vllm@$PWD/pr --minutes 10\n"
-               "  ./kvcheck gate --target vllm@0.33.0+findings/fixes/X.diff --base vllm@0.33.0\n"
+               "  ./kvcheck gate --target vllm@0.33.0+findings/NN-NAME/fix.diff "
+               "--base vllm@0.33.0\n"
                "a counterexample found on the target is replayed on the base: introduced "
                "(fails on the target only: FAIL), also on base (listed, named when a known "
                "finding), and the findings fixed by the change are listed; exit 0 pass, "

@@ -4,7 +4,7 @@ Default base (``gate --base`` omitted):
 
 * a release (``vllm@0.33.0``): itself; nothing can be introduced, the gate
   lists what the release shows;
-* a release with fixes (``vllm@0.33.0+findings/fixes/X.diff``): the release;
+* a release with fixes (``vllm@0.33.0+findings/NN-NAME/fix.diff``): the release;
 * a checkout with git history whose branch tracks another: their merge-base,
   taken out of the checkout's git (``git archive``: the checkout itself is
   never touched) into ``.vllm/bases/<commit>/`` and laid over the same

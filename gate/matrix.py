@@ -47,7 +47,9 @@ FEATURES = (
      "an EAGLE drafter beside Mamba (a draft group of its own)"),
     ("hybrid", {"spec_tokens": DRAFTS, "prefix_caching": True, "drafter": "mtp"},
      "an MTP drafter on a hybrid model"),
-    ("hybrid", {"spec_tokens": 0, "prefix_caching": True, "block_sizes": "mixed"},
+    # blocks of 4 tokens: a group's hash-unit edges come every few tokens
+    ("hybrid", {"spec_tokens": 0, "prefix_caching": True, "block_sizes": "mixed",
+                "block_size": 4},
      "groups of 1, 2 or 4 times the block size (hash units finer than a block)"),
     ("hybrid", {"spec_tokens": 0, "prefix_caching": True, "match_unit": "fine"},
      "prefix hits ending inside a block (prefix_match_unit below the block size)"),

@@ -78,7 +78,7 @@ def gate_one(m: M.Mutant, mode: str, minutes: float, seed: int, work: Path) -> d
                props=sorted({r["prop"] for r in intro if r["prop"] is not None}),
                crashes=sum(r["prop"] is None for r in intro),
                first_row=min(intro, key=lambda r: r["ended_s"])["id"] if intro else None,
-               known_introduced=_known_among(intro))
+               known_introduced=_known_among(intro, base))
     return row
 
 
@@ -88,25 +88,37 @@ def _commit() -> str:
     return r.stdout.strip() or "?"
 
 
-def _known_among(intro: list[dict]) -> list[str]:
+def _known_among(intro: list[dict], base: str) -> list[str]:
     """Introduced counterexamples that a known 0.33.0 finding explains by its
-    shape (they should have been on the base)."""
+    shape and that fail on the base too (they should have been on the base).
+    The shape alone is not enough: a slip can end in a finding's words (an
+    EAGLE hash slip reads another continuation's KV, as finding 6 does), and
+    what decides is the base, replayed here apart from the gate."""
     from types import SimpleNamespace
 
-    from gate.known import classify, known_findings
+    from gate.known import classify, in_repo, known_findings
+    from impl.target import TargetCrash
     from model.events import Trace
+    from properties.replay import replay
 
     findings = known_findings()
     out = []
     for r in intro:
         text = r.get("detail") or ""
+        trace = Trace.load(r["trace"]) if r.get("trace") else None
         res = SimpleNamespace(
-            trace=Trace.load(r["trace"]) if r.get("trace") else None, spec=None,
-            crash=text if r["prop"] is None else None,
+            trace=trace, spec=None, crash=text if r["prop"] is None else None,
             violation=None if r["prop"] is None else SimpleNamespace(prop=r["prop"],
                                                                      message=text))
         hit = classify(res, findings)
-        if hit is not None:
+        if hit is None or trace is None:
+            continue
+        try:
+            rr = replay(trace, in_repo(base))
+            on_base = rr.crash is not None or rr.first is not None
+        except TargetCrash:
+            on_base = True
+        if on_base:
             out.append(f"{r['id']}: {hit}")
     return out
 

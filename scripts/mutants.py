@@ -78,7 +78,7 @@ REF = "impl/reference/"
 # on the tree without finding 9 (chained copies of one step)
 _PARTIAL = ("--kind", "hybrid", "--prefix-match-unit", "fine", "--spec-tokens", "0",
             "--no-external", *_ASYNC)
-_CHAIN_FIX = "findings/fixes/partial-hit-copies-chain.diff"
+_CHAIN_FIX = "findings/09-partial-hit-copies-chain/fix.diff"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("control", "", "", "", "the unmodified release",

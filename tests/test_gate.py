@@ -103,7 +103,7 @@ def test_feature_rows_the_target_lacks_are_left_out_with_its_reason():
     kept, notes = _runnable(rows, target, default_base("reference"))
     # the reference has no model drafters; it has mixed block sizes and fine hash units
     assert {r["knobs"].get("drafter") for r in kept} == {None}
-    assert {r["id"] for r in kept} >= {"hybrid-ordered-d1-k0-pc-mixed",
+    assert {r["id"] for r in kept} >= {"hybrid-ordered-d1-k0-pc-b4-mixed",
                                        "hybrid-ordered-d2-k0-pc-unit-fine"}
     assert len(notes) == len(rows) - len(kept) and len(notes) > 0
     assert all("left out, the target refuses it (reference: drafts come from prompt lookup"
