@@ -22,7 +22,8 @@ from typing import Any
 from gate.base import Changes
 
 PROBE_SHARE = 0.1  # of the budget, at most
-WEIGHT = 3.0  # a row that executes changed lines gets this many shares
+WEIGHT = 3.0  # a row that executes changed lines gets at least this many shares
+HIT_SHARE = 0.5  # ... and those rows together at least this part of the budget
 
 
 def _group(row: dict) -> tuple:
@@ -176,11 +177,21 @@ def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: f
 
 
 def prioritize(rows: list[dict], p: Probe) -> list[dict]:
-    """Rows whose group executed a changed line first, with :data:`WEIGHT`
-    shares each; the others after them, one share each (stable order)."""
+    """Rows whose group executed a changed line first, the others after them
+    (stable order), one share each. A row that executes changed lines gets
+    :data:`WEIGHT` shares, or more where few rows do: together they get at
+    least :data:`HIT_SHARE` of the budget (a change only a feature row reaches
+    gets its time there, not a 250th of it)."""
     if not p.groups_hit:
         return rows
-    hit = [{**r, "weight": WEIGHT, "executes_changes": True} for r in rows
-           if _group(r) in p.groups_hit]
+    hit = [r for r in rows if _group(r) in p.groups_hit]
     rest = [r for r in rows if _group(r) not in p.groups_hit]
-    return hit + rest
+    weight = hit_weight(len(hit), len(rest))
+    return [{**r, "weight": weight, "executes_changes": True} for r in hit] + rest
+
+
+def hit_weight(hit: int, rest: int) -> float:
+    """The shares of each of ``hit`` rows beside ``rest`` rows of one share."""
+    if not hit:
+        return WEIGHT
+    return max(WEIGHT, HIT_SHARE / (1 - HIT_SHARE) * rest / hit)

@@ -292,7 +292,7 @@ def test_bad_gate_input_is_one_line_and_exit_2(tmp_path):
 
 def test_changed_lines_missed_and_rows_that_execute_them_first():
     from gate.base import Changes
-    from gate.coverage import WEIGHT, Probe, prioritize
+    from gate.coverage import WEIGHT, Probe, hit_weight, prioritize
 
     ch = Changes({"vllm/a.py": [3, 4, 5, 9], "vllm/b.py": [1]})
     p = Probe({"vllm/a.py": {4}}, {("sliding", "ordered", False, None, None, None)}, 2, 1.0)
@@ -303,8 +303,11 @@ def test_changed_lines_missed_and_rows_that_execute_them_first():
     out = prioritize(rows, p)
     first = [r for r in out if r.get("executes_changes")]
     assert len(out) == len(rows) and out[:len(first)] == first and first
+    # 12 of the 72 rows execute it: together they get half the budget
+    assert len(first) == 12 and hit_weight(12, 60) == 5.0
     assert all(r["kind"] == "sliding" and r["knobs"]["hazard"] == "ordered"
-               and r.get("weight") == WEIGHT for r in first)
+               and r.get("weight") == 5.0 for r in first)
+    assert hit_weight(60, 12) == WEIGHT  # where most rows execute it, three shares each
 
 
 # ------------------------------------------------ fuzz --base, replay --base
