@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gate.base import Base
-from gate.known import FINDINGS, Finding
+from gate.known import FINDINGS, Finding, finding_traces
 
 
 @dataclass
@@ -97,10 +97,6 @@ class Fixed:
     trace: str  # the finding's trace
     label: str  # how the finding is named
     base_failure: str  # what the base shows on it
-
-
-def finding_traces(folder: Path = FINDINGS) -> list[Path]:
-    return sorted(folder.glob("*.json"))
 
 
 def _fix_files(diff: str | None) -> set[str]:

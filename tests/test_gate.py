@@ -12,7 +12,7 @@ import pytest
 
 from gate.attribution import fixed_by_change, replay_on_base
 from gate.base import Base, changed_lines, default_base
-from gate.known import by_name, known_findings, name_of, trace_path
+from gate.known import by_name, fix_files, known_findings, name_of, trace_path, with_fix
 from gate.matrix import gate_matrix, narrow, row_id, target_label
 from gate.report import GateRun, summary, write_junit
 from gate.rows import exit_status
@@ -323,7 +323,7 @@ def kvcheck(*args, timeout=600, cwd=ROOT):
 @pytest.mark.vllm
 def test_replay_with_a_base_says_introduced_on_base_or_fixed(tmp_path):
     trace = str(trace_path("failed-load-recompute-reads-null-sliding"))
-    fixed = f"vllm@0.33.0+{ROOT / FIX_SHARERS}"
+    fixed = with_fix("vllm@0.33.0", FIX_SHARERS)
     code, out, err = kvcheck("replay", trace, "--target", "vllm@0.33.0", "--base", fixed,
                              "--no-report", cwd=tmp_path)
     assert code == 1 and f"introduced: the base {fixed} holds on it" in out, out + err
@@ -393,5 +393,5 @@ def test_the_findings_a_change_may_fix_are_replayed_first():
     assert sorted(named) == sorted(paths)  # every trace, only reordered
     by_file = likely_first(paths, "vllm@/tmp/pr", {"vllm/v1/core/sched/scheduler.py"})
     first = json.loads(by_file[0].read_text())["meta"]["fixed_by"]
-    assert "vllm/v1/core/sched/scheduler.py" in (ROOT / first).read_text()
+    assert any("vllm/v1/core/sched/scheduler.py" in p.read_text() for p in fix_files(first))
     assert likely_first(paths, "vllm@/tmp/pr", set()) == paths  # no hint: as they were
