@@ -15,7 +15,7 @@ introduced; a harmless row must not FAIL. Rows whose mutant starts from a fix
 
     .venv/bin/python scripts/gate_sweep.py [--only NAME,...] [--minutes 4] [--mode probe|even]
 
-Results are kept, row by row, in ``reports/gate-sweep.json`` (a later run adds
+Results are kept, row by row, in ``docs/gate-sweep.json`` (a later run adds
 to them: the sweep can be run in parts); the table of every row measured so
 far is written into ``docs/FIGURES.md`` between its markers. Exit status 0
 every measured row as expected, 1 otherwise, 2 bad usage.
@@ -39,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import mutants as M  # noqa: E402
 
-RESULTS = ROOT / "reports" / "gate-sweep.json"
+from gate.known import with_fix  # noqa: E402
+
+RESULTS = ROOT / "docs" / "gate-sweep.json"  # measurements kept with the figures they make
 FIGURES = ROOT / "docs" / "FIGURES.md"
 BEGIN, END = "<!-- gate-sweep:begin -->", "<!-- gate-sweep:end -->"
 MODES = {"probe": [], "even": ["--no-probe"]}
@@ -54,7 +56,7 @@ def gated(m: M.Mutant) -> bool:
 def gate_one(m: M.Mutant, mode: str, minutes: float, seed: int, work: Path) -> dict:
     tree = M.mutant_tree(m, work / f"{m.name}-{mode}" / "tree")
     reports = work / f"{m.name}-{mode}" / "reports"
-    base = f"vllm@{M.RELEASE}" + (f"+{ROOT / m.base}" if m.base else "")
+    base = with_fix(f"vllm@{M.RELEASE}", m.base)
     cmd = [sys.executable, str(ROOT / "kvcheck"), "gate", "--target", f"vllm@{tree}",
            "--base", base, "--fail-fast", "--minutes", str(minutes), "--seed", str(seed),
            "--quiet", "--reports", str(reports), *MODES[mode]]
