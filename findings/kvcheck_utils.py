@@ -145,10 +145,12 @@ def build(
     async_scheduling,
     prefix_caching,
     load_failure_policy=None,
+    mamba_cache_mode="none",
 ):
     """The scheduler of a tiny OPT config with these layers (no weights are
     loaded), and a function making its requests; ``load_failure_policy``:
-    with the KV consumer connector, failed loads handled that way."""
+    with the KV consumer connector, failed loads handled that way;
+    ``mamba_cache_mode``: "align" for Mamba layers with a state per block."""
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
@@ -176,7 +178,9 @@ def build(
             model=str(tmp_path), skip_tokenizer_init=True, max_model_len=max_model_len
         ),
         cache_config=CacheConfig(
-            block_size=block_size, enable_prefix_caching=prefix_caching
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+            mamba_cache_mode=mamba_cache_mode,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

@@ -35,7 +35,7 @@ from typing import Any
 from model.events import Trace
 
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
-KINDS = {"full", "sliding", "chunked_local"}
+KINDS = {"full", "sliding", "chunked_local", "mamba"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
          "raises"}
 
@@ -61,8 +61,8 @@ def _check(trace: Trace) -> None:
     cfg = trace.config
     bad = sorted({g.kind for g in cfg.groups} - KINDS)
     if bad:
-        raise ExportError(f"kind {bad[0]}: this form states attention layers "
-                          f"({', '.join(sorted(KINDS))})")
+        raise ExportError(f"kind {bad[0]}: this form states "
+                          f"{', '.join(sorted(KINDS))} layers")
     if cfg.spec_tokens:
         raise ExportError("drafts: this form does not state draft proposals yet")
     if cfg.depth not in (1, 2):
@@ -82,9 +82,16 @@ def _spec_code(spec: Any) -> str:
                 given = rest
         except TypeError:  # a field without a default
             continue
-    parts = [f"{k}={'torch.float32' if 'float32' in str(v) else repr(v)}"
-             for k, v in given.items()]
+    parts = [f"{k}={_value(v)}" for k, v in given.items()]
     return f"{type(spec).__name__}({', '.join(parts)})"
+
+
+def _value(v: Any) -> str:
+    """A spec field's value as code (torch dtypes by name, in tuples too)."""
+    if isinstance(v, tuple):
+        inner = ", ".join(_value(x) for x in v)
+        return f"({inner},)" if len(v) == 1 else f"({inner})"
+    return "torch.float32" if "float32" in str(v) else repr(v)
 
 
 def export_job(trace: Trace, name: str) -> tuple[str, str]:
@@ -205,15 +212,25 @@ def _call_line(e: tuple, tables: dict) -> str:
     raise ExportError(f"a call of kind {e[0]} raised; not stated by this form")
 
 
-def _reads(cfg: Any, g: int, B: int) -> str:
-    """The positions a step computing ``[start, end)`` reads (and writes), as
-    ``range(lo, end)``, drawn per attention kind."""
+def _read_blocks(cfg: Any, g: int, B: int) -> str:
+    """The logical blocks a step computing ``[start, end)`` reads (and
+    writes), as a set expression, drawn per kind: an attention layer's
+    positions ``range(lo, end)`` by block; a Mamba layer's (``align`` mode)
+    state after ``start - 1`` and state after ``end - 1``::
+
+        B = 4, start = 4, end = 12   [ 0..3 | 4..7 | 8..11 ]
+                                        in            out
+    """
     grp = cfg.groups[g]
+    if grp.kind == "mamba":
+        return f"{{(end - 1) // {B}}} | ({{(start - 1) // {B}}} if start else set())"
     if grp.kind == "sliding":  # position t reads [t - W + 1, t]
-        return f"range(max(0, start - {grp.param - 1}), end)"
-    if grp.kind == "chunked_local":  # [t // C * C, t]
-        return f"range(start // {grp.param} * {grp.param}, end)"
-    return "range(0, end)"  # full attention: every earlier position
+        lo = f"max(0, start - {grp.param - 1})"
+    elif grp.kind == "chunked_local":  # [t // C * C, t]
+        lo = f"start // {grp.param} * {grp.param}"
+    else:  # full attention: every earlier position
+        lo = "0"
+    return f"{{q // {B} for q in range({lo}, end)}}"
 
 
 def _message(text: str, width: int = 64) -> list[str]:
@@ -259,11 +276,13 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
         s, g = f["step"], f["group"]
         return [
             f"table = tables[{g}].req_to_blocks.get({rid!r}, [])",
-            f"null = [] if start is None else sorted({{q // {B} for q in "
-            f"{_reads(cfg, g, B)} if table[q // {B}].is_null}})",
+            f"read = set() if start is None else {_read_blocks(cfg, g, B)}",
+            "null = sorted(lg for lg in read if table[lg].is_null)",
             "assert not null, (",
-            *_message(f"step {s} computes {rid}'s positions [{{start}}, {{end}}), whose windows "
-                      f"read logical block(s) {{null}}: {rid}'s block table maps them to "
+            *_message(f"step {s} computes {rid}'s positions [{{start}}, {{end}}), whose "
+                      + ("Mamba state is read from or written to"
+                         if cfg.groups[g].kind == "mamba" else "windows read")
+                      + f" logical block(s) {{null}}: {rid}'s block table maps them to "
                       f"the NULL block"),
             ")",
         ]
@@ -320,7 +339,9 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
         f"        max_num_batched_tokens={cfg.max_num_batched_tokens}, "
         f"max_num_seqs={cfg.max_num_seqs},",
         f"        max_model_len={cfg.max_model_len}, async_scheduling={cfg.depth == 2},",
-        f"        prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy})",
+        f"        prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy}"
+        + (', mamba_cache_mode="align"' if any(g.kind == "mamba" for g in cfg.groups)
+           else "") + ")",
         *(["    tables = scheduler.kv_cache_manager.coordinator.single_type_managers"]
           if any("tables[" in ln for ln in body) else []),
     ]
