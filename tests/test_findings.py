@@ -54,6 +54,11 @@ def test_finding_reproduces_on_vllm(path):
             crash = crash or (rr.crash if rr else None)
             assert crash is not None and meta["crash"] in crash, (target, crash)
         return
+    for target in meta.get("also_on", []):  # the same violation on the releases it names
+        more, crash = _run(path, target)
+        assert crash is None and more.crash is None, (target, crash or more.crash)
+        assert more.first is not None and more.first.prop == meta.get("prop", 2), target
+        assert meta["expect"] in more.first.message, (target, more.first.message)
     assert crash is None and rr.crash is None, crash or rr.crash
     assert rr.first is not None and rr.first.prop == meta.get("prop", 2), rr.first
     assert meta["expect"] in rr.first.message, rr.first.message
@@ -254,3 +259,16 @@ def test_relocation_fix_moves_speculative_blocks_only_between_prefill_chunks():
                    f"vllm@0.33.0+{F10_LOADS}")
     assert err is None and rr.crash is None and rr.first is None, err or rr.crash or rr.first
     assert crash.meta["fixed_by"] == "findings/08-failed-load-hybrid-ends-engine/fix.diff"
+
+
+# Finding 7 on a chunked-local group: its lookup indexes the hashes as the
+# sliding one does, and the finding's fix bounds both scans
+@pytest.mark.vllm
+def test_finding_7_chunked_local_crashes_and_its_fix_bounds_both_lookups():
+    trace = Trace.load(ROOT / "traces" / "vllm" / "chunked-mtp-hit-lookup-past-hashes-0.33.0.json")
+    rr, crash = _run(ROOT / "traces" / "vllm" / "chunked-mtp-hit-lookup-past-hashes-0.33.0.json",
+                     "vllm@0.33.0")
+    crash = crash or (rr.crash if rr else None)
+    assert crash and "IndexError" in crash and "block_hashes[i]" in crash, crash
+    rr = replay(trace, in_repo(f"vllm@0.33.0+{trace.meta['fixed_by']}"))
+    assert rr.crash is None and rr.first is None, rr.crash or rr.first
