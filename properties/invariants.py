@@ -145,7 +145,9 @@ class _Pending:
     rs: ReqStep
     shift: int = 0  # positions it computes moved down by rejections of earlier steps
     dead: bool = False  # output will be discarded (preempted / failed / ended)
-    tainted: str = ""  # what it read that a failed load left without KV (output must not count)
+    # what it read that a failed load left without KV (block, logical, [x, y)):
+    # its output must not count
+    tainted: tuple[int, int, int, int] | None = None
     lead: int = 0  # positions below its start it computes again (Kind.reprefill)
     # Mamba groups: the request's step before it (the states it starts from),
     # and, once that one is processed, the drafts it accepted
@@ -1391,13 +1393,18 @@ class Checker:
             for part in [*row, *(q for step in self.pending for q in step)]:
                 if not part.tainted and (hit := self._bad_read(part.rs, fresh)):
                     _g, lg, blk, x, y = hit
-                    part.tainted = f"block {blk} (logical {lg}, positions [{x}, {y}))"
+                    part.tainted = (blk, lg, x, y)
         for pp in row:
             rid = pp.rs.rid
             if pp.tainted and rid in accepted and rid not in failed:
+                blk, lg, x, y = pp.tainted
                 self._v(2, f"the output of step {po.step} for {rid} counts, but the step read "
-                           f"{pp.tainted}, which a failed connector load left without KV",
-                        step=po.step, rid=rid)
+                           f"block {blk} (logical {lg}, positions [{x}, {y})), which a failed "
+                           f"connector load left without KV",
+                        step=po.step, rid=rid,
+                        facts={"fact": "output_counts_after_failed_read", "rid": rid,
+                               "step": po.step, "block": blk, "logical": lg,
+                               "bad_from": x, "bad_to": y})
         for pp in row:
             rid = pp.rs.rid
             req = self.reqs[rid]

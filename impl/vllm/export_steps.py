@@ -16,7 +16,9 @@ the checker saw the violation it asserts what vLLM itself holds
 * a step whose window reads a logical block the table maps to the NULL
   block (the read range computed from the request's ``num_computed_tokens``);
 * a step that reads positions a failed connector load left without KV: it
-  starts past them.
+  starts past them;
+* a step whose output counts though it read a block whose connector load
+  failed in that same output: the request took the sampled token.
 
 ``OUT.py`` imports its helpers from ``kvcheck_utils.py``, written beside it
 (the same text for every test). What this form cannot state yet raises
@@ -35,9 +37,9 @@ from typing import Any
 from model.events import Trace
 
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
-KINDS = {"full", "sliding", "chunked_local", "mamba"}
+KINDS = {"full", "sliding", "chunked_local", "mamba", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
-         "raises"}
+         "output_counts_after_failed_read", "raises"}
 
 
 class ExportError(Exception):
@@ -96,19 +98,28 @@ def _value(v: Any) -> str:
 
 def export_job(trace: Trace, name: str) -> tuple[str, str]:
     """In a vLLM worker: (the test's text, kvcheck_utils.py's text)."""
-    from impl.vllm.driver import Driver
-    from properties.invariants import Checker
+    from impl.target import Unsupported
+    from impl.vllm.driver import Driver, EventRejected, InstrumentationError
+    from model.events import Schedule
+    from properties.invariants import Checker, Violation
 
     _check(trace)
     d = Driver()
     d.script = []
     checker = Checker(trace.config)
-    checker.feed(None, d.reset(trace.config))
-    cfg_entry = d.script[0]
     specs = d.layer_specs(trace.config)
-    from impl.vllm.driver import EventRejected, InstrumentationError
-    from model.events import Schedule
-    from properties.invariants import Violation
+    try:
+        checker.feed(None, d.reset(trace.config))
+    except Unsupported as e:
+        raise ExportError(f"vllm {d.version} refuses this config: {e}") from None
+    except Exception as e:  # noqa: BLE001 - vLLM cannot build its scheduler
+        line = (str(e).strip().splitlines() or [""])[0]
+        v = Violation(0, f"{type(e).__name__}: {line}",
+                      facts={"fact": "raises", "error": type(e).__name__, "line": line})
+        body = ["assert error is None, (",
+                *_message("vLLM raised {type(error).__name__}: {error}"), ")"]
+        return (_module(trace, name, v, specs, body, d.version, build_raises=v.facts["error"]),
+                utils_source())
 
     v, at = None, None
     for i, ev in enumerate(trace.events):
@@ -136,7 +147,7 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
     if kinds & {"preempt", "drafts"}:
         raise ExportError("a forced preemption or draft proposals: not stated by this form")
     body = _steps(d.script[1:], v, at, trace, d)
-    return _module(trace, name, v, specs, cfg_entry[1], body, d.version), utils_source()
+    return _module(trace, name, v, specs, body, d.version), utils_source()
 
 
 def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[str]:
@@ -180,6 +191,9 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
         elif e[0] in ("add", "process", "finish"):
+            if (e[0] == "process" and e[1] == f.get("step")
+                    and f["fact"] == "output_counts_after_failed_read"):
+                out.append(f"before = scheduler.requests[{f['rid']!r}].num_output_tokens")
             out.append(_call_line(e, tables))
     out += _assertion(f, cfg, B)
     # a step output nothing reads later is not named
@@ -228,7 +242,7 @@ def _read_blocks(cfg: Any, g: int, B: int) -> str:
         lo = f"max(0, start - {grp.param - 1})"
     elif grp.kind == "chunked_local":  # [t // C * C, t]
         lo = f"start // {grp.param} * {grp.param}"
-    else:  # full attention: every earlier position
+    else:  # full attention (a sink's too: its sink blocks are not in the table)
         lo = "0"
     return f"{{q // {B} for q in range({lo}, end)}}"
 
@@ -287,6 +301,16 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
             ")",
         ]
     s = f["step"]
+    if fact == "output_counts_after_failed_read":
+        lg, x, y = f["logical"], f["bad_from"], f["bad_to"]
+        return [
+            f"req = scheduler.requests.get({rid!r})",
+            "assert req is None or req.num_output_tokens == before, (",
+            *_message(f"{rid}'s output of step {s} counts (it took the sampled token), "
+                      f"but step {s} read {rid}'s logical block {lg} (positions [{x}, {y})), "
+                      f"whose connector load failed in that same output"),
+            ")",
+        ]
     return [
         f"assert start is None or start <= {f['bad_from']}, (",
         *_message(f"step {s} computes {rid} from position {{start}} and reads positions "
@@ -296,8 +320,10 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
     ]
 
 
-def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
-            body: list[str], version: str) -> str:
+def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[str],
+            version: str, build_raises: str = "") -> str:
+    """The test module; ``build_raises``: the error building the scheduler
+    raises (the test asserts that it builds)."""
     cfg = trace.config
     finishes = any("RequestStatus." in ln for ln in body)
     classes = sorted({type(s).__name__ for s in specs.values()})
@@ -325,7 +351,8 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
         f"from vllm.v1.kv_cache_interface import {', '.join(classes)}",
         *(["from vllm.v1.request import RequestStatus"] if finishes else []),
         "",
-        "from kvcheck_utils import build, output",
+        "from kvcheck_utils import build" + (", output" if any("output(" in ln for ln in body)
+                                             else ""),
         "",
         "pytestmark = pytest.mark.cpu_test",
         "",
@@ -334,17 +361,24 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], vc: Any,
         "    layers = {",
         *spec_lines,
         "    }",
-        "    scheduler, request = build(",
-        f"        tmp_path, layers, num_blocks={cfg.num_blocks}, block_size={cfg.block_size},",
-        f"        max_num_batched_tokens={cfg.max_num_batched_tokens}, "
+    ]
+    call = [
+        "scheduler, request = build(",
+        f"    tmp_path, layers, num_blocks={cfg.num_blocks}, block_size={cfg.block_size},",
+        f"    max_num_batched_tokens={cfg.max_num_batched_tokens}, "
         f"max_num_seqs={cfg.max_num_seqs},",
-        f"        max_model_len={cfg.max_model_len}, async_scheduling={cfg.depth == 2},",
-        f"        prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy}"
+        f"    max_model_len={cfg.max_model_len}, async_scheduling={cfg.depth == 2},",
+        f"    prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy}"
         + (', mamba_cache_mode="align"' if any(g.kind == "mamba" for g in cfg.groups)
            else "") + ")",
-        *(["    tables = scheduler.kv_cache_manager.coordinator.single_type_managers"]
-          if any("tables[" in ln for ln in body) else []),
     ]
+    if build_raises:  # vLLM cannot build the scheduler of these layers
+        call[0] = "build("
+        call = ["try:", *(f"    {ln}" for ln in call), "    error = None",
+                f"except {build_raises} as e:", "    error = e"]
+    head += [f"    {ln}" for ln in call]
+    if any("tables[" in ln for ln in body):
+        head.append("    tables = scheduler.kv_cache_manager.coordinator.single_type_managers")
     return "\n".join(head + [f"    {ln}" for ln in body]) + "\n"
 
 
