@@ -20,7 +20,9 @@ Sections:
 3. proof cost: ``prove.proof.prove_all`` per kind and policy;
 4. attention replay: steps per second on the CPU (GPU where there is one);
 5. growth: step cost against concurrent requests and prompt length;
-6. profile: where checked stepping spends its time, per target.
+6. profile: where checked stepping spends its time, per target;
+7. length: step cost against trace length, against requests live at once,
+   and the peak memory of ``./kvcheck replay`` against trace length.
 
 Every figure is a median over repeated runs with its min and max. Nothing here
 passes or fails: a part that cannot run (a target not installed, a module not
@@ -151,6 +153,11 @@ class Settings:
     # and N requests live at once: N AddRequests, then the engine loop with a
     # pool that holds 8 (scripts/long_traces.py burst), replayed on the reference
     length_live: tuple[int, ...] = (1_000, 4_000, 20_000)
+    # and the peak memory of ``./kvcheck replay TRACE --no-report`` on the
+    # reference, per shape of scripts/long_traces.py and its N (pairs N: one
+    # decode of 2N + 1 events; requests N: N requests, 2.5N events)
+    length_memory: tuple[tuple[str, tuple[int, ...]], ...] = (
+        ("pairs", (10_000, 100_000)), ("requests", (10_000, 100_000)))
     # seconds: the whole run, and each section's share (unused time rolls over)
     budget_s: float = 840.0
     section_s: tuple[tuple[str, float], ...] = (
@@ -191,6 +198,7 @@ def quick_settings() -> Settings:
         length_points=(("reference", (100, 1_000, 10_000)), ("vllm", (100, 1_000))),
         length_window=100,
         length_live=(500, 2_000),
+        length_memory=(("pairs", (1_000, 10_000)), ("requests", (1_000,))),
         budget_s=145.0,
         section_s=(("step_cost", 50.0), ("fuzz_rate", 10.0), ("profile", 3.0),
                    ("time_to_detect", 35.0), ("attention", 5.0), ("growth", 22.0),
@@ -1376,6 +1384,66 @@ def run_live(points: tuple[int, ...], clock: Clock | None = None) -> list[dict[s
     return rows
 
 
+# the peak resident memory of a command and every process it waited for (its
+# worker): the child's rusage, printed by a process that runs only that command
+_PEAK_RSS = ("import resource, subprocess, sys\n"
+             "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
+             "stderr=subprocess.DEVNULL)\n"
+             "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def peak_rss_mb(cmd: list[str], timeout: float | None = None) -> tuple[int, float, float]:
+    """Run ``cmd``; its exit status, the peak resident memory in MB of it and
+    of the processes it waited for (the largest one), and its wall seconds."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True,
+                         text=True, timeout=timeout, check=True).stdout.split()
+    wall = time.perf_counter() - t0
+    rc, rss = int(out[0]), int(out[1])
+    # ru_maxrss: kilobytes on Linux, bytes on macOS
+    return rc, rss / (2**20 if sys.platform == "darwin" else 2**10), wall
+
+
+def run_memory(shapes: tuple[tuple[str, tuple[int, ...]], ...], clock: Clock | None = None
+               ) -> list[dict[str, Any]]:
+    """Per shape and ``N`` of ``scripts/long_traces.py`` (pairs: one long
+    decode; requests: a stream of requests): the peak resident memory of
+    ``./kvcheck replay TRACE --no-report`` on the reference, the replay in its
+    worker included, and the memory each event adds from the row before
+    (flat: memory linear in the trace's length)."""
+    import tempfile
+
+    lt = _long_traces()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvcheck-bench-") as tmp:
+        for shape, ns in shapes:
+            prev = None
+            for n in ns:
+                base = {"shape": shape, "n": n}
+                if clock is not None and clock.left() < 0:
+                    rows.append(not_ok("skipped", "the section's time budget was spent",
+                                       **base))
+                    continue
+                trace = lt.pair_stream(n) if shape == "pairs" else lt.request_stream(n)
+                path = trace.save(Path(tmp) / f"{shape}-{n}.json")
+                ev = len(trace.events)
+                del trace
+                rc, mb, wall = peak_rss_mb([str(ROOT / "kvcheck"), "replay", str(path),
+                                            "--no-report", "--target", "reference"])
+                path.unlink()
+                if rc != 0:
+                    rows.append(not_ok("failed", f"./kvcheck replay exited with {rc}", **base,
+                                       events=ev))
+                    continue
+                per = None
+                if prev is not None and ev > prev[0]:
+                    per = 2**20 * (mb - prev[1]) / (ev - prev[0])
+                rows.append({**base, "status": "ok", "reason": "", "events": ev,
+                             "peak_rss_mb": mb, "wall_s": wall, "bytes_per_event": per})
+                prev = (ev, mb)
+    return rows
+
+
 def section_length(st: Settings, targets: Targets, clock: Clock) -> dict[str, Any]:
     rows = []
     w = st.workload
@@ -1397,10 +1465,15 @@ def section_length(st: Settings, targets: Targets, clock: Clock) -> dict[str, An
         live = run_live(st.length_live, clock)
     except Exception as e:  # noqa: BLE001
         live = [not_ok("failed", one_line(e), requests=n) for n in st.length_live]
+    try:
+        memory = run_memory(st.length_memory, clock)
+    except Exception as e:  # noqa: BLE001
+        memory = [not_ok("failed", one_line(e), shape=shape, n=n)
+                  for shape, ns in st.length_memory for n in ns]
     return {"workload": (f"{w.describe()}; one stream per target, checked as it is made "
                          f"(every draft accepted); at each step count, "
                          f"{st.length_window} steps timed in {st.length_chunks} chunks"),
-            "rows": rows, "live": live}
+            "rows": rows, "live": live, "memory": memory}
 
 
 # ================================================================ rendering
@@ -1748,6 +1821,26 @@ def render_length(ln: dict[str, Any]) -> list[str]:
                                 fmt(r["cpu_us_per_event"]), note])
         L += _table(["requests live", "events", "replay CPU s", "CPU µs/event", "notes"],
                     body)
+        L.append("")
+    memory = ln.get("memory") or []
+    if memory:
+        L.append("Peak memory of `./kvcheck replay TRACE --no-report` (reference; "
+                 "`scripts/long_traces.py SHAPE N`: pairs, one request decoding through N "
+                 "Schedule / Process pairs; requests, N requests 8 at a time): the largest "
+                 "resident set of the command and its worker. A flat last column means "
+                 "memory linear in the trace's length.")
+        L.append("")
+        body = []
+        for r in memory:
+            head = [r["shape"], f"{r['n']:,}"]
+            if r["status"] != "ok":
+                body.append(head + ["—", "—", "—", "—", why(r)])
+                continue
+            per = "—" if r["bytes_per_event"] is None else f"{r['bytes_per_event']:,.0f}"
+            body.append(head + [f"{r['events']:,}", f"{r['peak_rss_mb']:.0f}",
+                                fmt(r["wall_s"]), per, ""])
+        L += _table(["trace", "N", "events", "peak RSS MB", "wall s",
+                     "bytes per event added (from the row before)", "notes"], body)
         L.append("")
     return L
 

@@ -150,6 +150,9 @@ def event_to_json(ev: Event) -> dict[str, Any]:
     return d
 
 
+_SCHEDULE = Schedule()
+
+
 def event_from_json(d: Any, where: str = "event") -> Event:
     if not isinstance(d, dict) or "type" not in d:
         raise TraceError(f"{where}: expected an object with a 'type' field, got {d!r:.80}")
@@ -160,6 +163,8 @@ def event_from_json(d: Any, where: str = "event") -> Event:
         raise TraceError(
             f"{where}: unknown event type {d['type']!r} (known: {', '.join(EVENT_TYPES)})"
         )
+    if cls is Schedule and len(d) == 1:
+        return _SCHEDULE  # immutable and alike: a long trace's Schedules are one object
     names = {f.name: f for f in fields(cls)}
     extra = set(d) - set(names) - {"type"}
     if extra:

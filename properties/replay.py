@@ -20,12 +20,15 @@ from properties.invariants import Checker, Violation
 from properties.twin import Twin
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     index: int
     event: Event
     obs: Observed
-    violations: list[Violation]
+    violations: list[Violation] | tuple[()]  # () where none (shared by such rows)
+
+
+_NONE: tuple[()] = ()
 
 
 @dataclass
@@ -86,7 +89,9 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
         vs = judged(e, o)
         if props is not None:
             vs = [v for v in vs if v.prop in props]
-        rows.append(Row(i, e, o, vs))
+        # a row without violations shares one empty tuple (a long trace's rows
+        # are mostly such)
+        rows.append(Row(i, e, o, vs or _NONE))
         return bool(vs) and stop_at_first
 
     for i, ev in enumerate(trace.events):
@@ -107,7 +112,7 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
             if v is not None:
                 checker.violations.append(v)
                 if rows:
-                    rows[-1].violations.append(v)
+                    rows[-1].violations = [*rows[-1].violations, v]
                 if stop_at_first and (props is None or 7 in props):
                     break
             continue

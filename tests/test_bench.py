@@ -63,6 +63,7 @@ def tiny_settings():
         length_points=(("reference", (100, 200)), ("vllm", (100,))),
         length_window=40,
         length_live=(100, 400),
+        length_memory=(("pairs", (100, 400)), ("requests", (100,))),
         budget_s=300.0,
     )
 
@@ -146,6 +147,13 @@ def test_reference_rows_measured(report):
     assert [r["requests"] for r in live] == [100, 400]
     assert all(r["status"] == "ok" and not r["violations"] and r["events"] > r["requests"]
                for r in live), live
+    memory = data["length"]["memory"]  # measured, each trace replayed (never a size asserted)
+    assert [(r["shape"], r["n"]) for r in memory] == [("pairs", 100), ("pairs", 400),
+                                                     ("requests", 100)]
+    assert all(r["status"] == "ok" and r["peak_rss_mb"] > 0 for r in memory), memory
+    assert [r["events"] for r in memory][:2] == [201, 801]
+    assert memory[0]["bytes_per_event"] is None and memory[2]["bytes_per_event"] is None
+    assert memory[1]["bytes_per_event"] is not None
     prof = {r["target"]: r for r in data["profile"]["rows"]}["reference"]
     assert len(prof["top"]) == 3 and abs(sum(prof["layers"].values()) - 1) < 1e-6
 
@@ -159,7 +167,8 @@ def test_markdown_matches_json(report):
                     "### Side by side (this run)",
                     "## 2. Time to detect", "## 3. Proof cost", "## 4. Attention replay",
                     "## 5. Growth", "## 6. Where checked stepping spends its time",
-                    "## 7. Cost against trace length", "Requests live at once"):
+                    "## 7. Cost against trace length", "Requests live at once",
+                    "Peak memory of `./kvcheck replay TRACE --no-report`"):
         assert heading in md, heading
     for sec, row in _rows(loaded):
         if row["status"] != "ok":

@@ -219,3 +219,62 @@ def test_stream_ordered_is_saved_only_when_set():
     on = Config.from_json({**cfg.to_json(), "stream_ordered": True})
     assert on.stream_ordered and on.to_json()["stream_ordered"] is True
     assert "stream-ordered" in on.label() and "stream-ordered" not in cfg.label()
+
+
+# ---------------------------------------------------------- block tables
+
+
+@st.composite
+def _table_edits(draw):
+    """A table past one leaf, and the table after a few slots changed, slots
+    appended or cut (as a decode's table changes between steps)."""
+    ids = st.integers(0, 3)
+    a = draw(st.lists(ids, min_size=0, max_size=200))
+    b = list(a)
+    for _ in range(draw(st.integers(0, 4))):
+        if b and draw(st.booleans()):
+            b[draw(st.integers(0, len(b) - 1))] = draw(ids)
+        else:
+            b += draw(st.lists(ids, max_size=40))
+    if b and draw(st.booleans()):
+        del b[draw(st.integers(0, len(b))):]
+    return a, b
+
+
+@given(_table_edits())
+def test_a_block_table_is_the_tuple_of_its_ids(edit):
+    import pickle
+
+    from model.observations import BlockTable
+
+    a, b = edit
+    ta = BlockTable.of(a)
+    tb = BlockTable.of(b, ta)
+    for t, ids in ((ta, tuple(a)), (tb, tuple(b))):
+        assert (type(t) is tuple) == (len(ids) <= 32)
+        assert t == ids and ids == t and (t != ids) is False and hash(t) == hash(ids)
+        assert repr(t) == repr(ids) and tuple(t) == ids and list(t) == list(ids)
+        assert len(t) == len(ids) and t[:5] == ids[:5] and t[7:] == ids[7:]
+        assert [t[i] for i in range(-len(ids), len(ids))] == [*ids, *ids]
+        assert (3 in t) == (3 in ids) and t.count(0) == ids.count(0)
+        assert t + (9,) == ids + (9,) and (9,) + t == (9,) + ids
+        assert pickle.loads(pickle.dumps(t)) == ids
+        with pytest.raises(IndexError):
+            t[len(ids)]
+    assert (ta == tb) == (a == b) and (ta < tb) == (tuple(a) < tuple(b))
+
+
+def test_a_block_table_shares_what_did_not_change_with_the_one_before():
+    """A table made from the one before it holds only the leaves that changed
+    anew (and the path to them): a long decode's tables cost what changed."""
+    from model.observations import BlockTable
+
+    ids = [0] * 2000 + [5, 6]
+    before = BlockTable.of(ids)
+    ids[2000] = 0
+    ids.append(7)
+    after = BlockTable.of(ids, before)
+    old = {id(leaf) for leaf in before._leaves()}
+    new = [leaf for leaf in after._leaves() if id(leaf) not in old]
+    assert len(new) == 1 and new[0] == tuple(ids[2000 - 2000 % 32:])
+    assert after == tuple(ids) and before == tuple([0] * 2000 + [5, 6])

@@ -590,6 +590,36 @@ def test_ring_and_cross_hold_their_blocks_until_the_request_ends(kind, held):
     assert done[-1].counters.free_blocks == cfg.num_blocks - 1
 
 
+def test_a_long_decode_shares_its_block_tables_between_steps():
+    """Steps that do not change a request's table share one table object, and
+    a table that changed shares with the one before every leaf it did not
+    change: a long decode's tables cost memory per change, not per slot
+    (as tuples, one per change, they grew quadratic in the decode)."""
+    from model.observations import BlockTable
+
+    cfg = config_for("sliding", block_size=16, num_blocks=16, max_num_batched_tokens=64,
+                     max_num_seqs=1, max_model_len=2400, window=16)
+    evs = [AddRequest("r0", 16, 2300)]
+    for _ in range(2200):
+        evs += [Schedule(), Process()]
+    _, obs = run(cfg, evs)
+    tables = [s.reqs[0].tables[0] for s in items(obs, StepObs)]
+    assert len(tables) == 2200 and len(tables[-1]) > 130
+    distinct = list({id(t): t for t in tables}.values())
+    assert len(distinct) == len({tuple(t) for t in tables})  # equal tables: one object
+    assert len(distinct) <= 2 * (2200 // 16 + 2)  # per block: appended, then NULL
+    for a, b in zip(tables, tables[1:], strict=False):
+        if tuple(a) == tuple(b):
+            assert a is b
+    longs = [t for t in distinct if len(t) > 32]
+    assert longs and all(isinstance(t, BlockTable) for t in longs)
+    for a, b in zip(longs, longs[1:], strict=False):
+        was = {id(leaf) for leaf in a._leaves()}
+        changed = {i // 32 for i in range(len(b)) if i >= len(a) or a[i] != b[i]}
+        fresh = [k for k, leaf in enumerate(b._leaves()) if id(leaf) not in was]
+        assert set(fresh) <= changed, (len(a), len(b), fresh, changed)
+
+
 def test_ring_and_cross_take_no_prefix_hits():
     for kind in ("ring", "cross"):
         with pytest.raises(TraceError, match="takes no prefix hits"):

@@ -18,7 +18,7 @@ table in group ``g``.
 from __future__ import annotations
 
 from model.events import Config
-from model.observations import AllocObs, CopyObs, FreeObs, Item
+from model.observations import AllocObs, BlockTable, CopyObs, FreeObs, Item
 
 from .block_pool import NULL, BlockPool, request_block_hashes
 from .managers import Change, MambaManager, SingleTypeManager, cdiv, make_manager
@@ -42,7 +42,8 @@ class Coordinator:
         self.max_model_len = config.max_model_len
         self.live: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}  # rid -> prompt length, for every group
-        self._last_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # see ``tables``
+        # see ``tables``: per request, the tables handed out last and as flat tuples
+        self._last_tables: dict[str, tuple[tuple, tuple[tuple[int, ...], ...]]] = {}
         for m in self.managers:
             m.prompt_len = self.prompt_len
             if m.group.spec.sub_block_lookup:
@@ -82,18 +83,29 @@ class Coordinator:
 
     # ---------------------------------------------------------- per request
 
-    def tables(self, rid: str) -> tuple[tuple[int, ...], ...]:
+    def tables(self, rid: str) -> tuple[tuple[int, ...] | BlockTable, ...]:
         """The request's block tables, per group; a group's table equal to the
-        one handed out last time is that same tuple (a long decode's steps
-        share them: memory per distinct table, not per step)."""
+        one handed out last time is that same object (a long decode's steps
+        share them: memory per distinct table, not per step), and a long one
+        that changed is a :class:`BlockTable` sharing with the one before what
+        did not change (memory per change, not per slot: a decode's table
+        grows with it)."""
         last = self._last_tables.get(rid)
         out = []
+        flat = []
         for gi, m in enumerate(self.managers):
             t = tuple(m.tables.get(rid, ()))
-            if last is not None and last[gi] == t:
-                t = last[gi]
-            out.append(t)
-        tables = self._last_tables[rid] = tuple(out)
+            if last is not None and last[1][gi] == t:
+                out.append(last[0][gi])
+                flat.append(last[1][gi])
+                continue
+            out.append(BlockTable.of(t, last[0][gi] if last is not None else None))
+            flat.append(t)
+        if last is not None and all(a is b for a, b in zip(out, last[0], strict=True)):
+            return last[0]
+        tables = tuple(out)
+        # the tables handed out, and as flat tuples to compare with (one each)
+        self._last_tables[rid] = (tables, tuple(flat))
         return tables
 
     def forget(self, rid: str) -> None:
