@@ -38,9 +38,11 @@ a failure found once is saved there and replayed first on every later night,
 and ``summary.json`` says so per row (``replayed_from_database``,
 ``examples_to_fail``).
 
-Writes into ``reports/``: ``junit.xml`` (one ``test_row[ID]`` per row), ``summary.json``,
-``summary.md``, and per failing row under ``counterexamples/`` the trace,
-its picture (``.png``) and a pytest reproducer (``test_*.py``).
+Writes into a fresh run folder ``reports/YYYYMMDD-HHMMSS/`` (``reports/latest``
+links to the newest; an earlier night's folder is never written over):
+``junit.xml`` (one ``test_row[ID]`` per row), ``summary.json``, ``summary.md``,
+and per failing row under ``counterexamples/`` the trace, its picture
+(``.png``) and a pytest reproducer (``test_*.py``).
 Exit status (the gate's, :mod:`gate.rows`): 0 every row holds or is a known
 finding, 1 a new counterexample, 3 a new crash or a target that cannot run,
 4 incomplete (rows that did not reach their witnesses in their share), 2 a
@@ -54,7 +56,6 @@ import fnmatch
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from datetime import UTC, datetime
@@ -242,18 +243,19 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
         matrix_spec: str | None = None, python: str = sys.executable) -> int:
     from gate.report import write_junit
     from gate.rows import exit_status, run_rows
+    from report.output import OutputError, fresh_run_dir
 
     t0 = time.time()
     started = datetime.now(UTC)
-    reports.mkdir(parents=True, exist_ok=True)
-    for sub in ("rows", "counterexamples"):
-        shutil.rmtree(reports / sub, ignore_errors=True)
-    for f in ("junit.xml", "summary.json", "summary.md"):
-        (reports / f).unlink(missing_ok=True)
     try:
         rows, notes = build_matrix(matrix_spec)
     except MatrixError as e:
         print(f"nightly: {e}", file=sys.stderr)
+        return 2
+    try:
+        reports = fresh_run_dir(reports)  # a night's reports never replace another's
+    except (OutputError, OSError) as e:
+        print(f"nightly: --reports: {e}", file=sys.stderr)
         return 2
     budget = max(1.0, minutes * 60) - (time.time() - t0)
     ncpu = os.cpu_count() or 1

@@ -112,6 +112,20 @@ def test_bad_budget_or_workers_is_one_line_and_exit_2(tmp_path, argv, env, says)
     assert not (tmp_path / "r").exists()
 
 
+def test_a_foreign_latest_in_the_reports_folder_is_refused_and_kept(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "latest").write_text("mine\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVCHECK_NIGHTLY_MATRIX"}
+    env.update(NIGHTLY_MINUTES="0.1", KVCHECK_NIGHTLY_MATRIX="reference:full:settled")
+    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "r"),
+                        "--db", str(tmp_path / "db")], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "latest" in lines[0], (p.returncode, lines)
+    assert (tmp_path / "r" / "latest").read_text() == "mine\n"
+    assert [x.name for x in (tmp_path / "r").iterdir()] == ["latest"]
+
+
 # -------------------------------------------------------------- end to end
 
 
@@ -132,7 +146,8 @@ def test_nightly_end_to_end_and_replay_first(tmp_path):
                                    "vllm-9.9.9-sliding-settled", "reference-full-settled")
     rc, out = run_nightly(tmp_path, matrix)
     assert rc == 3, out  # a target that cannot be loaded (and a new violation)
-    rep = tmp_path / "reports"
+    rep = tmp_path / "reports" / "latest"
+    first = rep.resolve()
     for f in ("junit.xml", "summary.json", "summary.md"):
         assert (rep / f).is_file(), f"{f} missing:\n{out}"
     suite = ET.parse(rep / "junit.xml").getroot()
@@ -158,6 +173,7 @@ def test_nightly_end_to_end_and_replay_first(tmp_path):
     # the next night: the saved failure is replayed before anything new
     rc, out = run_nightly(tmp_path, matrix)
     assert rc == 3, out
+    assert rep.resolve() != first and (first / "summary.json").is_file()  # the first kept
     rows = {r["id"]: r for r in json.loads((rep / "summary.json").read_text())["rows"]}
     again = rows[bad_id]
     assert again["replayed_from_database"] >= 1, again
