@@ -14,6 +14,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -146,11 +147,16 @@ def build(
     prefix_caching,
     load_failure_policy=None,
     mamba_cache_mode="none",
+    pipeline_parallel_size=1,
+    prefix_match_unit=None,
 ):
     """The scheduler of a tiny OPT config with these layers (no weights are
     loaded), and a function making its requests; ``load_failure_policy``:
     with the KV consumer connector, failed loads handled that way;
-    ``mamba_cache_mode``: "align" for Mamba layers with a state per block."""
+    ``mamba_cache_mode``: "align" for Mamba layers with a state per block;
+    ``pipeline_parallel_size``: with async scheduling, one batch more than it
+    in flight; ``prefix_match_unit``: prefix hits at that many tokens inside a
+    block."""
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
@@ -173,15 +179,18 @@ def build(
             kv_role="kv_consumer",
             kv_load_failure_policy=load_failure_policy,
         )
+    cache = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba_cache_mode,
+    )
+    if prefix_match_unit:
+        cache.prefix_match_unit = prefix_match_unit
     vllm_config = VllmConfig(
         model_config=ModelConfig(
             model=str(tmp_path), skip_tokenizer_init=True, max_model_len=max_model_len
         ),
-        cache_config=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=prefix_caching,
-            mamba_cache_mode=mamba_cache_mode,
-        ),
+        cache_config=cache,
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -192,6 +201,7 @@ def build(
         ),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
     )
     scheduler = build_scheduler(vllm_config, layer_specs, num_blocks)
     hasher = None

@@ -57,13 +57,8 @@ def test_failed_load_recompute_reads_null_sliding(tmp_path):
         end = scheduler.requests["r0"].num_computed_tokens
         start = end - s1.num_scheduled_tokens["r0"]
     table = tables[0].req_to_blocks.get("r0", [])
-    null = (
-        []
-        if start is None
-        else sorted(
-            {q // 16 for q in range(max(0, start - 1), end) if table[q // 16].is_null}
-        )
-    )
+    read = set() if start is None else {q // 16 for q in range(max(0, start - 1), end)}
+    null = sorted(lg for lg in read if table[lg].is_null)
     assert not null, (
         f"step 1 computes r0's positions [{start}, {end}), whose windows "
         f"read logical block(s) {null}: r0's block table maps them to the "

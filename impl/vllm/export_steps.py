@@ -67,10 +67,8 @@ def _check(trace: Trace) -> None:
                           f"{', '.join(sorted(KINDS))} layers")
     if cfg.spec_tokens:
         raise ExportError("drafts: this form does not state draft proposals yet")
-    if cfg.depth not in (1, 2):
-        raise ExportError(f"depth {cfg.depth}: this form states depth 1 and 2")
-    if any(g.retained for g in cfg.groups) or cfg.prefix_match_unit:
-        raise ExportError("retained tokens and prefix-match units are not stated yet")
+    if any(g.retained for g in cfg.groups):
+        raise ExportError("retained tokens are not stated yet")
 
 
 def _spec_code(spec: Any) -> str:
@@ -118,8 +116,8 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
                       facts={"fact": "raises", "error": type(e).__name__, "line": line})
         body = ["assert error is None, (",
                 *_message("vLLM raised {type(error).__name__}: {error}"), ")"]
-        return (_module(trace, name, v, specs, body, d.version, build_raises=v.facts["error"]),
-                utils_source())
+        return (_module(trace, name, v, specs, body, d.version, _mode(d, trace),
+                        build_raises=v.facts["error"]), utils_source())
 
     v, at = None, None
     for i, ev in enumerate(trace.events):
@@ -147,7 +145,14 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
     if kinds & {"preempt", "drafts"}:
         raise ExportError("a forced preemption or draft proposals: not stated by this form")
     body = _steps(d.script[1:], v, at, trace, d)
-    return _module(trace, name, v, specs, body, d.version), utils_source()
+    return _module(trace, name, v, specs, body, d.version, _mode(d, trace)), utils_source()
+
+
+def _mode(d: Any, trace: Trace) -> tuple[bool, int]:
+    """Async scheduling and the pipeline-parallel size the driver runs the
+    trace's depth with (0.33: async, and PP of depth - 1 beyond 2)."""
+    _cls, async_, pp = d._depth_mode(trace.config.depth)
+    return async_, pp
 
 
 def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[str]:
@@ -321,10 +326,12 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
 
 
 def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[str],
-            version: str, build_raises: str = "") -> str:
-    """The test module; ``build_raises``: the error building the scheduler
-    raises (the test asserts that it builds)."""
+            version: str, mode: tuple[bool, int], build_raises: str = "") -> str:
+    """The test module; ``mode``: async scheduling and the pipeline-parallel
+    size that keep the trace's depth of batches in flight; ``build_raises``:
+    the error building the scheduler raises (the test asserts that it builds)."""
     cfg = trace.config
+    async_, pp = mode
     finishes = any("RequestStatus." in ln for ln in body)
     classes = sorted({type(s).__name__ for s in specs.values()})
     spec_lines = [f"    {n!r}: {_spec_code(s)}," for n, s in specs.items()]
@@ -367,10 +374,12 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
         f"    tmp_path, layers, num_blocks={cfg.num_blocks}, block_size={cfg.block_size},",
         f"    max_num_batched_tokens={cfg.max_num_batched_tokens}, "
         f"max_num_seqs={cfg.max_num_seqs},",
-        f"    max_model_len={cfg.max_model_len}, async_scheduling={cfg.depth == 2},",
+        f"    max_model_len={cfg.max_model_len}, async_scheduling={async_},",
         f"    prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy}"
         + (', mamba_cache_mode="align"' if any(g.kind == "mamba" for g in cfg.groups)
-           else "") + ")",
+           else "") + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
+        + (f", prefix_match_unit={cfg.prefix_match_unit}" if cfg.prefix_match_unit else "")
+        + ")",
     ]
     if build_raises:  # vLLM cannot build the scheduler of these layers
         call[0] = "build("
