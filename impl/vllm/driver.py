@@ -58,6 +58,7 @@ from model.events import (
 from model.observations import (
     NULL,
     AllocObs,
+    BlockTable,
     CopyObs,
     Counters,
     FinishObs,
@@ -962,8 +963,13 @@ class Driver:
             if self.worker_groups:
                 tables = self._worker_view(rid, step, tables)
             last = self.last_tables.get(rid)
-            if last is not None:  # an unchanged table is the same tuple (memory per change)
-                tables = tuple(b if b == t else t for b, t in zip(last, tables, strict=True))
+            # an unchanged table is the same object, a long changed one shares
+            # the leaves that did not change (memory per change, as the reference)
+            if last is not None:
+                tables = tuple(b if b == t else BlockTable.of(t, b)
+                               for b, t in zip(last, tables, strict=True))
+            else:
+                tables = tuple(BlockTable.of(t) for t in tables)
             self.last_tables[rid] = tables
             obs[rid] = ReqStep(rid, end - n, end, len(spec.get(rid, ())), loads.get(rid, 0),
                                tables)
