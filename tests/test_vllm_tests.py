@@ -70,6 +70,11 @@ def test_every_finding_has_its_vllm_test():
         assert max(map(len, text.splitlines())) <= 88, s
         test = text[text.index("\ndef test_"):]
         assert "\n    assert " in test, s  # the test function asserts itself
+        target = TRACES[s].meta.get("target", "")
+        if "+" in target:  # a trace found on a patched tree names its diffs
+            words = " ".join(text.split())
+            assert all(d in words for d in target.partition("+")[2].split("+")), s
+            assert "replayed on that tree" in words, s
 
 
 @pytest.mark.vllm

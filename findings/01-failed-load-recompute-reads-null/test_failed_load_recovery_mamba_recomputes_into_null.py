@@ -2,9 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A failed load recomputes from a window never allocated.
 
-Found by kvcheck on a vLLM tree of the 0.33.0 line (its trace:
+Found by kvcheck on vllm@0.33.0 with
+findings/fixes/failed-load-recovery-preempted-sharers.diff and
+findings/05-mamba-align-load-one-block-short/fix.diff applied (its trace:
 failed-load-recovery-mamba-recomputes-into-null.json); these calls, replayed
-on vllm 0.33.0: property 2 (null-read): step 2 (scheduled) computes r1
+on that tree: property 2 (null-read): step 2 (scheduled) computes r1
 positions [0, 8); position 4 reads [3, 4] (mamba) but logical block 1 maps
 to the NULL block
 Passes with these diffs applied in turn:

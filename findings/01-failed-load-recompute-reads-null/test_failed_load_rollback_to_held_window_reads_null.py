@@ -2,11 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A failed load recomputes from a window never allocated.
 
-Found by kvcheck on a vLLM tree of the 0.33.0 line (its trace:
-failed-load-rollback-to-held-window-reads-null.json); these calls, replayed
-on vllm 0.33.0: property 2 (null-read): step 1 (scheduled) computes r0
-positions [0, 16); position 0 reads [0, 0] (sliding(W=2)) but logical block
-0 maps to the NULL block
+Found by kvcheck on vllm@0.33.0 with
+findings/fixes/failed-load-rolls-back-to-held-window.diff applied (its
+trace: failed-load-rollback-to-held-window-reads-null.json); these calls,
+replayed on that tree: property 2 (null-read): step 1 (scheduled) computes
+r0 positions [0, 16); position 0 reads [0, 0] (sliding(W=2)) but logical
+block 0 maps to the NULL block
 Passes with these diffs applied in turn:
     findings/01-failed-load-recompute-reads-null/fix.diff
     findings/02-failed-load-blocks-stay-cached/fix.diff

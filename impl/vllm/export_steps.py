@@ -341,11 +341,9 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
                 if v.prop else meta.get("title") or "vLLM raises")
     doc = _wrap(f"{title[:1].upper()}{title[1:]}.")
     found = f"vLLM raises {v.message}" if v.facts.get("fact") == "raises" else str(v)
-    where = str(meta.get("target") or f"vllm@{version}")
-    if "/" in where:  # a checkout's path says nothing to a reader elsewhere
-        where = f"a vLLM tree of the {version} line"
+    where, on = _where(str(meta.get("target") or f"vllm@{version}"), version)
     doc += [""] + _wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
-                        f"these calls, replayed on vllm {version}: {found}")
+                        f"these calls, replayed on {on}: {found}")
     if meta.get("fixed_by"):
         doc += passes_with(meta["fixed_by"])
     head = [
@@ -389,6 +387,23 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
     if any("tables[" in ln for ln in body):
         head.append("    tables = scheduler.kv_cache_manager.coordinator.single_type_managers")
     return "\n".join(head + [f"    {ln}" for ln in body]) + "\n"
+
+
+def _where(target: str, version: str) -> tuple[str, str]:
+    """Where the trace was found and where its calls were replayed, as a
+    reader elsewhere can name them: a checkout's path says nothing there; a
+    release with diffs names them (those under the repository by their path)."""
+    from .overlay import series
+
+    engine, _, rest = target.partition("@")
+    release, plus, fix = rest.partition("+")
+    if "/" in release:
+        return f"a vLLM tree of the {version} line", "that tree"
+    if not plus:
+        return target, f"vllm {version}"
+    root = str(Path(__file__).resolve().parent.parent.parent) + "/"
+    diffs = [d.removeprefix(root) for d in series(fix)]
+    return f"{engine}@{release} with {' and '.join(diffs)} applied", "that tree"
 
 
 def _wrap(text: str, width: int = 76) -> list[str]:
