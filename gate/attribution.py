@@ -30,9 +30,9 @@ class OnBase:
 
 
 def _crash_text(text: str) -> str:
-    """A crash's last line with its numbers blanked (the same bug, other sizes)."""
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    return re.sub(r"\d+", "N", lines[-1]) if lines else ""
+    from properties.replay import crash_line
+
+    return crash_line(text)
 
 
 def _replay(trace: Any, target: str, slot: int = 0) -> Any:

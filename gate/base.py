@@ -201,8 +201,9 @@ def _files(pkg: Path) -> dict[str, Path]:
 
 def changed_lines(target: str, base: str) -> Changes:
     """The lines of the target's files (under :data:`WATCHED`) that are not in
-    the base's: added or edited lines, by target line number (a deletion
-    counts the line after it)."""
+    the base's: added or edited lines that can run (blank and comment lines
+    left out), by target line number (a deletion counts the first such line
+    after it)."""
     ta, tb = _tree_of(target), _tree_of(base)
     out = Changes()
     if ta is None or tb is None:
@@ -218,13 +219,20 @@ def changed_lines(target: str, base: str) -> Changes:
             b = pb.read_text(errors="replace").splitlines() if pb is not None else []
         except OSError:
             continue
+        def code(n: int, a: list[str] = a) -> bool:  # a line that can run (code)
+            text = a[n - 1].strip() if 0 < n <= len(a) else ""
+            return bool(text) and not text.startswith("#")
+
         lines: set[int] = set()
         for tag, _i1, _i2, j1, j2 in difflib.SequenceMatcher(None, b, a, autojunk=False) \
                 .get_opcodes():
             if tag in ("replace", "insert"):
-                lines.update(range(j1 + 1, j2 + 1))
-            elif tag == "delete":
-                lines.add(min(j1 + 1, max(1, len(a))))
+                lines.update(n for n in range(j1 + 1, j2 + 1) if code(n))
+            elif tag == "delete":  # the first line that runs after it
+                n = j1 + 1
+                while n < len(a) and not code(n):
+                    n += 1
+                lines.add(min(n, max(1, len(a))))
         if lines:
             out.files[rel] = sorted(lines)
     return out

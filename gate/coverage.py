@@ -8,6 +8,12 @@ group (depth 2, drafts, prefix caching where the kind takes it). Rows of a
 group whose probe executed a changed line run first and get a larger share
 of the budget. The probes take at most a tenth of the budget; what no probe
 reached is listed (what the gate did not see).
+
+A probe's share can be shorter than its kind's first scheduler build (an
+encoder-decoder's takes seconds): the changed lines are also read as code,
+and a line inside a manager class of ``single_type_kv_cache_manager.py``
+marks the kinds that class (or one that inherits it) manages
+(:func:`kinds_of_changes`), whether or not their probe got that far.
 """
 
 from __future__ import annotations
@@ -24,6 +30,47 @@ from gate.base import Changes
 PROBE_SHARE = 0.1  # of the budget, at most
 WEIGHT = 3.0  # a row that executes changed lines gets at least this many shares
 HIT_SHARE = 0.5  # ... and those rows together at least this part of the budget
+
+
+MANAGERS = "vllm/v1/core/single_type_kv_cache_manager.py"
+ROOT_MANAGER = "SingleTypeKVCacheManager"  # the class every manager there inherits
+
+
+def kinds_of_changes(changes: Changes, tree: Path) -> set[str]:
+    """The kinds whose vLLM manager class holds a changed line of
+    :data:`MANAGERS` under ``tree``, or inherits the class that does, or
+    lies beside attention that does (ring, cross), and ``hybrid`` with any
+    of its groups' kinds. A change to the common base class marks
+    every kind, as does one that cannot be read."""
+    import ast
+
+    from model.kinds import KINDS
+
+    lines = changes.files.get(MANAGERS)
+    if not lines:
+        return set()
+    try:
+        mod = ast.parse((tree / MANAGERS).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return {*KINDS, "hybrid"}
+    classes = [n for n in mod.body if isinstance(n, ast.ClassDef)]
+    parents = {c.name: [b.id for b in c.bases if isinstance(b, ast.Name)] for c in classes}
+    changed = {c.name for c in classes
+               if any(c.lineno <= n <= (c.end_lineno or c.lineno) for n in lines)}
+
+    def inherits(name: str, seen: frozenset = frozenset()) -> bool:
+        if name in changed:
+            return True
+        # a manager the file does not define is taken as the common base's
+        up = parents.get(name, [] if name == ROOT_MANAGER else [ROOT_MANAGER])
+        return any(inherits(p, seen | {name}) for p in up if p not in seen)
+
+    out = {k for k, kind in KINDS.items()
+           if inherits(kind.vllm_manager)
+           or (kind.beside and inherits(KINDS[kind.beside].vllm_manager))}
+    if out & {"full", "sliding", "chunked_local", "mamba"}:  # what hybrids are made of
+        out.add("hybrid")
+    return out
 
 
 def _group(row: dict) -> tuple:
@@ -73,6 +120,15 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
 
     def global_(frame: Any, event: str, arg: Any) -> Any:
         if event == "call" and frame.f_code.co_filename in watched:
+            # a changed ``def`` line ran when its module was imported: it
+            # counts as reached when its function is called
+            rel, lines = watched[frame.f_code.co_filename]
+            first = frame.f_code.co_firstlineno
+            if first in lines and first not in hits[rel]:
+                hits[rel].add(first)
+                left[0] -= 1
+                if left[0] == 0:
+                    open(stop, "w").close()
             return local
         return None
 
@@ -99,6 +155,7 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
 class Probe:
     executed: dict[str, set[int]] = field(default_factory=dict)
     groups_hit: set[tuple] = field(default_factory=set)
+    kinds_read: set[str] = field(default_factory=set)  # marked by kinds_of_changes
     probes: int = 0
     seconds: float = 0.0
 
@@ -120,8 +177,10 @@ class Probe:
         return out
 
     def text(self, changes: Changes) -> str:
+        read = (f"; in the managers of {', '.join(sorted(self.kinds_read))}"
+                if self.kinds_read else "")
         return (f"changed lines executed: {self.count()} of {changes.lines} "
-                f"({self.probes} probes, {self.seconds:.0f} s; their rows run first)")
+                f"({self.probes} probes, {self.seconds:.0f} s{read}; their rows run first)")
 
 
 def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: float,
@@ -172,6 +231,8 @@ def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: f
         th.start()
     for th in threads:
         th.join()
+    out.kinds_read = kinds_of_changes(changes, tree)
+    out.groups_hit |= {g for g in groups if g[0] in out.kinds_read}
     out.seconds = time.monotonic() - t0
     return out
 

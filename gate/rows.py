@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from gate.attribution import replay_on_base
+from gate.attribution import OnBase, replay_on_base
 from gate.base import Base
 from gate.known import Finding, by_name, known_findings, name_of
 from gate.matrix import spec_of
@@ -129,6 +129,8 @@ def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int |
                      (spec, 10**7, seed, db_path, seconds, 0, True, None,
                       max(1.0, min(seconds, 0.5 * (left - seconds))), grace,
                       # the failures the database holds for this row on the base
+                      None if base is None or base.same else base.target,
+                      # failures the base shows alike are passed over
                       None if base is None or base.same else base.target))
     except WorkerGone as e:  # it died or hung: the trace from its flight recorder
         from model.events import Trace
@@ -152,6 +154,12 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
                examples_to_fail=res.examples_to_fail,
                replayed_from_database=res.replayed_from_database)
     verdict = res.verdict  # the one verdict of a fuzz run (FuzzResult.verdict)
+    on = None
+    own = res.base_result() if verdict in ("holds", "vacuous", "missed") else None
+    if own is not None:  # every failure it met fails on the base alike
+        out["passed_over"] = st.on_base
+        res, verdict = own, own.verdict
+        on = OnBase(True, f"{st.on_base} failing examples, each failing alike on the base")
     if verdict in ("holds", "vacuous", "missed"):
         if verdict == "holds":
             out.update(status="holds", verdict="holds",
@@ -174,7 +182,8 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
                length=len(res.trace.events) if res.trace is not None else 0, detail=line)
     cdir = reports / "counterexamples"
     # the base's replays run in its worker 0, which the gate started first
-    on = None if base is None else replay_on_base(res, base, 0, min(10.0, seconds))
+    if on is None and base is not None:
+        on = replay_on_base(res, base, 0, min(10.0, seconds))
     release = base.release if base is not None else _release(row["target"])
     if on is None or on.fails:  # pre-existing (or, with no base, maybe known): name it
         known, how = name_of(res, findings, release, slot, hard_end)

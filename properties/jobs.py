@@ -63,7 +63,8 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
              db_path: str | None = None, seconds: float | None = None,
              attention_every: int = 0, minimize: bool = True,
              stop_file: str | None = None, shrink_seconds: float | None = None,
-             vacuous_grace: float = 0.0, borrow: str | None = None) -> FuzzResult:
+             vacuous_grace: float = 0.0, borrow: str | None = None,
+             base: str | None = None) -> FuzzResult:
     """One Hypothesis run beside the target (in a worker); ``seconds``: stop
     starting examples after that long, or once ``stop_file`` exists (a
     verdict found by then is shrunk, for at most ``shrink_seconds`` when
@@ -71,7 +72,10 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
     has not yet reached every witness its configs can produce goes on past
     ``seconds`` for up to that many times ``seconds`` more. ``borrow``: the
     gate's base; the failures the database holds for the same setting on it
-    are replayed first (``FuzzResult.borrowed_from_base``)."""
+    are replayed first (``FuzzResult.borrowed_from_base``). ``base``: a
+    failing example is replayed on it (in a worker of its own, started from
+    this one), and one that fails there the same way is passed over
+    (:func:`base_fails`), so the run reports a failure of the target's own."""
     from impl.target import fit_spec, make_target
     from impl.worker import progress
     from properties.machine import fuzz
@@ -117,7 +121,8 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
     try:
         res = fuzz(spec, examples=examples, seed=seed, database=db, target=target,
                    on_example=on_example, minimize_trace=minimize,
-                   shrink_seconds=shrink_seconds)
+                   shrink_seconds=shrink_seconds,
+                   base_fails=None if base is None else base_fails(base))
     finally:
         close = getattr(target, "close", None)
         if close is not None:
@@ -130,6 +135,31 @@ def fuzz_job(spec: FuzzSpec, examples: int, seed: int | None = None,
         res.replayed_from_database = db.replayed
         res.borrowed_from_base = db.borrowed
     return res
+
+
+def base_fails(base: str) -> Any:
+    """``fuzz``'s ``base_fails`` for the target ``base``: the example replayed
+    beside it (:func:`replay_beside`) fails the same way
+    (:func:`properties.replay.fails_alike`). Shrinking runs the same example
+    more than once: each is replayed on the base once."""
+    from impl.target import TargetError, Unsupported
+    from properties.replay import InvalidEvent, fails_alike
+
+    seen: dict[str, bool] = {}
+
+    def check(cfg: Any, events: list, v: Any, crash: str | None) -> bool:
+        t = Trace(cfg, list(events))
+        key = f"{'crash' if v is None else v.prop}:{t.dumps()}"
+        if key not in seen:
+            try:
+                rr = replay_beside(t, base)
+            except (InvalidEvent, Unsupported, TargetError):
+                seen[key] = False  # the base cannot run it: it is not the base's
+            else:
+                seen[key] = fails_alike(rr, None if v is None else v.prop, crash)
+        return seen[key]
+
+    return check
 
 
 def replay_job(trace: Trace, target: str, props: frozenset[int] | None = None):
@@ -211,6 +241,11 @@ def merge(spec: FuzzSpec, results: list[FuzzResult]) -> FuzzResult:
         stats.expected |= r.stats.expected
         stats.refused.update(r.stats.refused)
         stats.layouts.update(r.stats.layouts)
+        stats.on_base += r.stats.on_base
+        ex = r.stats.base_example
+        if ex is not None and (stats.base_example is None
+                               or len(ex[1]) < len(stats.base_example[1])):
+            stats.base_example = ex
     out = FuzzResult(spec, stats, seconds=max((r.seconds for r in results), default=0.0))
     crashed = [r for r in results if r.crash is not None]
     failed = [r for r in results if r.violation is not None]

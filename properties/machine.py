@@ -25,6 +25,7 @@ the same setting, and by no other.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections import Counter
@@ -113,6 +114,10 @@ class StopRun(KeyboardInterrupt):
     Hypothesis: it stops at once and saves nothing to the database."""
 
 
+class _PassedOver(Exception):
+    """A drain's failure the base shows alike: the example ends holding."""
+
+
 class PropertyFailed(AssertionError):
     """A violation, with the config and events of the example that made it."""
 
@@ -177,6 +182,11 @@ class RunStats:
     refusals: Counter = field(default_factory=Counter)  # the target's words for it
     # examples run per group mix ("full+mamba"; "draft": a drafter's own group)
     layouts: Counter = field(default_factory=Counter)
+    # failing examples that fail the same way on the gate's base, passed over
+    # (KVMachine.base_fails), and the shortest of them: (config, events,
+    # violation or None, crash text or None)
+    on_base: int = 0
+    base_example: tuple | None = None
 
 
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
@@ -307,6 +317,9 @@ class KVMachine(RuleBasedStateMachine):
     stats: ClassVar[RunStats]
     target: ClassVar[Target | None] = None
     on_example: ClassVar[Any] = None  # callback(phase, machine), phase "setup" / "teardown"
+    # the gate's base: callback(config, events, violation, crash text) -> whether
+    # the base fails that example the same way (None: every failure counts)
+    base_fails: ClassVar[Any] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -321,6 +334,8 @@ class KVMachine(RuleBasedStateMachine):
         self.violation: Violation | None = None  # the one this example failed with
         self.crashed = False  # the target crashed in this example
         self.crash: TargetCrash | None = None  # how, when it did
+        self.passed_over = False  # it failed as the base does (base_fails)
+        self._tearing_down = False
         self._accounting: Violation | None = None  # for the invariants to raise
         # what the preconditions ask of the state (_live, _holding, _loading),
         # computed once per state: it changes only where _changed() is called
@@ -348,6 +363,7 @@ class KVMachine(RuleBasedStateMachine):
         try:
             obs = cls.target.apply(ev)
         except TargetCrash as e:
+            self._pass_over(None, str(e))
             self.crashed, self.crash = True, e
             e.example = (self.cfg, list(self.events))
             raise
@@ -359,6 +375,7 @@ class KVMachine(RuleBasedStateMachine):
                 f"{cls.target.name} raised {type(e).__name__} on {ev}:\n"
                 + traceback.format_exc())
             crash.example = (self.cfg, list(self.events))
+            self._pass_over(None, str(crash))
             self.crash = crash
             raise crash from e
         cls.stats.events[type(ev).__name__] += 1
@@ -380,8 +397,26 @@ class KVMachine(RuleBasedStateMachine):
         return obs
 
     def _fail(self, v: Violation) -> None:
+        self._pass_over(v, None)
         self.violation = v
         raise PropertyFailed(v, self.cfg, self.events)
+
+    def _pass_over(self, v: Violation | None, crash: str | None) -> None:
+        """With a base to compare against (the gate's), a failure the base
+        shows the same way is not the target's: it is counted, the shortest
+        kept, and the example rejected, so the run (and its shrinking) looks
+        on for one that fails on the target only."""
+        check = type(self).base_fails
+        if check is None or not check(self.cfg, list(self.events), v, crash):
+            return
+        st = type(self).stats
+        st.on_base += 1
+        if st.base_example is None or len(self.events) < len(st.base_example[1]):
+            st.base_example = (self.cfg, list(self.events), v, crash)
+        self.crashed, self.passed_over = False, True
+        if self._tearing_down:  # the example may be over (its data frozen): it just holds
+            raise _PassedOver
+        reject()
 
     def _status(self, rid: str) -> str:
         if self.counters is None:
@@ -536,8 +571,11 @@ class KVMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            if self.checker is not None and self.drain and self.violation is None:
-                self._drain()
+            if (self.checker is not None and self.drain and self.violation is None
+                    and not self.passed_over):
+                self._tearing_down = True
+                with contextlib.suppress(_PassedOver):
+                    self._drain()
         finally:
             if self.checker is not None:
                 type(self).stats.witness.update(self.checker.witness)
@@ -678,6 +716,19 @@ class FuzzResult:
     # counterexample is the shortest failing one it had run by then
     shrink_cut: bool = False
 
+    def base_result(self) -> FuzzResult | None:
+        """The shortest example passed over as failing on the base too
+        (``fuzz(base_fails=...)``), as a result of its own; None when there
+        was none."""
+        ex = self.stats.base_example
+        if ex is None:
+            return None
+        cfg, events, v, crash = ex
+        meta = {"target": self.spec.target, "violation": str(v or "target crash")}
+        return replace(self, violation=v, crash=crash,
+                       trace=Trace(cfg, list(events), meta=meta),
+                       shrunk_events=len(events))
+
     @property
     def vacuous(self) -> list[str]:
         """The expected witnesses the run never reached (every one, as "any
@@ -777,11 +828,15 @@ class _Shortest:
 def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
          database: Any = None, target: Target | None = None,
          on_example: Any = None, minimize_trace: bool = True,
-         shrink_seconds: float | None = None) -> FuzzResult:
+         shrink_seconds: float | None = None, base_fails: Any = None) -> FuzzResult:
     """Run the state machine; returns the verdict with the shrunk trace if any.
     ``shrink_seconds``: once an example fails, let Hypothesis shrink for about
     that long, then keep the shortest example failing the same way it ran
-    (``FuzzResult.shrink_cut``; properties/minimize.py still runs on it)."""
+    (``FuzzResult.shrink_cut``; properties/minimize.py still runs on it).
+    ``base_fails(config, events, violation, crash)``: whether the gate's base
+    fails an example the same way; such failures are passed over
+    (:meth:`KVMachine._pass_over`), and the run reports only one the base
+    does not show (the shortest passed over: ``FuzzResult.base_example``)."""
     import time
 
     target = target or make_target(spec.target)
@@ -791,6 +846,8 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
     cls = make_machine(spec, target)
     shortest = _Shortest(shrink_seconds, on_example)
     cls.on_example = staticmethod(shortest)
+    if base_fails is not None:
+        cls.base_fails = staticmethod(base_fails)
     if seed is not None:
         cls = with_seed(seed)(cls)
     s = settings(
@@ -820,10 +877,13 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
             else:
                 result.violation = v
     except Unsatisfiable:
+        st = cls.stats
+        if st.on_base:  # every example it ran failed as on the base
+            result.seconds = time.perf_counter() - t0
+            return result
         # every example drawn was refused: the target cannot run what was asked
         from impl.target import TargetError
 
-        st = cls.stats
         why = st.refusals.most_common(1)[0][0] if st.refusals else "no example could be drawn"
         n = sum(st.refused.values())
         raise TargetError(f"{spec.target} runs none of the examples asked for "
@@ -850,5 +910,12 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
         if result.violation is not None and minimize_trace:
             from properties.minimize import minimize
 
-            result.trace = minimize(result.trace, target, result.violation.prop)
+            keep = None
+            if base_fails is not None:
+                v = result.violation
+
+                def keep(t: Trace) -> bool:
+                    return not base_fails(t.config, t.events, v, None)
+
+            result.trace = minimize(result.trace, target, result.violation.prop, keep=keep)
     return result

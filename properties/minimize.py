@@ -12,6 +12,7 @@ order of arrival. Deterministic, and as cheap as a few dozen replays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from impl.target import Target, TargetCrash
@@ -75,8 +76,11 @@ def _lower_one(events, violating_prefix, block_size: int):
     return None
 
 
-def minimize(trace: Trace, target: Target, prop: int, budget: int = 400) -> Trace:
-    """The shortest variant of ``trace`` found that still violates ``prop``."""
+def minimize(trace: Trace, target: Target, prop: int, budget: int = 400,
+             keep: Callable[[Trace], bool] | None = None) -> Trace:
+    """The shortest variant of ``trace`` found that still violates ``prop``
+    (and that ``keep`` accepts: the gate keeps only what its base does not
+    fail alike)."""
     cfg, meta = trace.config, trace.meta
     tries = 0
 
@@ -91,7 +95,10 @@ def minimize(trace: Trace, target: Target, prop: int, budget: int = 400) -> Trac
             return None
         if rr.crash or rr.first is None or rr.first.prop != prop:
             return None
-        return events[: rr.rows[-1].index + 1]
+        out = events[: rr.rows[-1].index + 1]
+        if keep is not None and not keep(Trace(cfg, out, meta)):
+            return None
+        return out
 
     events = violating_prefix(list(trace.events))
     if events is None:  # not reproducible as a trace: leave it as it is

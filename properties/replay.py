@@ -9,6 +9,7 @@ violation marked with ``>>`` (see :mod:`report.report`).
 
 from __future__ import annotations
 
+import re
 import traceback
 from dataclasses import dataclass
 
@@ -133,6 +134,21 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
             break
     found = [v for v in checker.violations if props is None or v.prop in props]
     return ReplayResult(trace, rows, found, dict(checker.witness), crash, props)
+
+
+def crash_line(text: str | None) -> str:
+    """A crash's last line with its numbers blanked: the same bug at other
+    sizes reads the same (how a crash on one tree is matched on another)."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return re.sub(r"\d+", "N", lines[-1]) if lines else ""
+
+
+def fails_alike(rr: ReplayResult, prop: int | None, crash: str | None) -> bool:
+    """Whether a replay fails as a run did: the same property first, or a
+    crash with the same last line (:func:`crash_line`)."""
+    if crash is not None:
+        return rr.crash is not None and crash_line(rr.crash) == crash_line(crash)
+    return rr.first is not None and rr.first.prop == prop
 
 
 class InvalidEvent(ValueError):

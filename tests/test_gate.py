@@ -190,6 +190,15 @@ def test_checkout_without_git_is_compared_with_the_release_it_is_laid_over(tmp_p
     ch = changed_lines(f"vllm@{tree}", b.target)
     assert list(ch.files) == ["vllm/v1/core/single_type_kv_cache_manager.py"]
     assert ch.lines == 1 and "1 changed line in 1 file" in ch.text()
+    # a method added with a blank line before it: its two lines that run
+    tree = tmp_path / "cross"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "--tree",
+                    "cross-freed-as-window", str(tree)], check=True, capture_output=True)
+    ch = changed_lines(f"vllm@{tree}", "vllm@0.33.0")
+    (rel, lines), = ch.files.items()
+    text = (tree / rel).read_text().splitlines()
+    assert [text[n - 1].strip()[:27] for n in lines] == [
+        "def get_num_skipped_tokens(", "return num_computed_tokens"]
 
 
 # ---------------------------------------------------------- attribution
@@ -308,6 +317,61 @@ def test_changed_lines_missed_and_rows_that_execute_them_first():
     assert all(r["kind"] == "sliding" and r["knobs"]["hazard"] == "ordered"
                and r.get("weight") == 5.0 for r in first)
     assert hit_weight(60, 12) == WEIGHT  # where most rows execute it, three shares each
+
+
+def test_a_change_inside_a_manager_class_marks_the_kinds_it_manages(tmp_path):
+    from gate.base import Changes
+    from gate.coverage import MANAGERS, kinds_of_changes
+
+    f = tmp_path / MANAGERS
+    f.parent.mkdir(parents=True)
+    f.write_text("\n".join([
+        "class SingleTypeKVCacheManager:",                         # 1
+        "    pass",                                                # 2
+        "class FullAttentionManager(SingleTypeKVCacheManager):",   # 3
+        "    x = 1",                                               # 4
+        "class SinkFullAttentionManager(FullAttentionManager):",   # 5
+        "    x = 2",                                               # 6
+        "class CrossAttentionManager(SingleTypeKVCacheManager):",  # 7
+        "    x = 3",                                               # 8
+        "def helper():",                                           # 9
+        "    return 1",                                            # 10
+        "class RSWAManager(FullAttentionManager):",                # 11
+        "    pass", ""]))
+
+    def kinds(*lines):
+        return kinds_of_changes(Changes({MANAGERS: list(lines)}), tmp_path)
+
+    assert kinds(8) == {"cross"}
+    assert kinds(6) == {"sink"}
+    # full attention's rows, the kinds inheriting it, those beside it, hybrids
+    assert kinds(4) == {"full", "sink", "rswa", "ring", "cross", "hybrid"}
+    assert kinds(2) >= {"full", "sliding", "mamba", "chunked_local", "cross", "hybrid"}
+    assert kinds(10) == set()  # outside every class: only the probe can tell
+    assert kinds_of_changes(Changes({"vllm/v1/core/kv_cache_utils.py": [3]}), tmp_path) == set()
+
+
+def test_a_run_against_a_base_passes_over_what_the_base_fails_alike():
+    """The gate's rows look past the base's own bugs: an example failing on
+    the base the same way (there: the very same target) is rejected, counted
+    and kept aside, and the run reports only a failure of its own."""
+    from properties.jobs import base_fails
+    from properties.machine import fuzz
+
+    spec = FuzzSpec(target="reference", kind="sliding", policy="optimistic", depth=2)
+    alone = fuzz(spec, examples=300, seed=3)
+    assert alone.violation is not None  # the control: this setting fails
+    res = fuzz(FuzzSpec(target="reference", kind="sliding", policy="optimistic", depth=2),
+               examples=300, seed=3, base_fails=base_fails("reference"))
+    assert res.violation is None and res.crash is None
+    assert res.stats.on_base >= 1
+    own = res.base_result()
+    assert own is not None and own.violation.prop == alone.violation.prop
+    assert own.trace is not None and own.verdict == "violation"
+    # a base that never fails alike leaves the run as it was
+    res = fuzz(FuzzSpec(target="reference", kind="sliding", policy="optimistic", depth=2),
+               examples=300, seed=3, base_fails=lambda *a: False)
+    assert res.violation is not None and res.stats.on_base == 0 and res.base_result() is None
 
 
 # ------------------------------------------------ fuzz --base, replay --base
