@@ -27,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 FINDINGS = ROOT / "findings"
 FIX_START_S = 20.0  # about what starting a worker on a fix's tree takes (2 cores)
+REPLAY_S = 2.0  # a counterexample's replay in a worker already started
 
 
 @dataclass(frozen=True)
@@ -203,11 +204,15 @@ def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 
 
         def replay(trace: Any, fixed: str) -> Any:
             return replay_beside(trace, fixed, slot=slot)
+    from impl.vllm import worker_started
+
     for f in fix_candidates(res, findings, target, any_text):
         # a fix's tree runs in a worker of its own, started on first use
-        if deadline is not None and time.monotonic() > deadline - FIX_START_S:
+        fixed = with_fix(target, f.fixed_by)
+        need = REPLAY_S if worker_started(fixed, slot) else FIX_START_S
+        if deadline is not None and time.monotonic() > deadline - need:
             return None
-        rr = replay(res.trace, with_fix(target, f.fixed_by))
+        rr = replay(res.trace, fixed)
         if rr.crash is None and not rr.violations:
             return f.name
     return None

@@ -582,6 +582,19 @@ class VllmTarget:
         return True
 
 
+def worker_started(spec: str, slot: int = 0) -> bool:
+    """Whether a worker of the vLLM ``spec`` names runs in ``slot`` already
+    (a job there starts at once, with no import of vLLM first)."""
+    try:
+        inst = resolve(spec)
+    except Exception:  # noqa: BLE001 - a spec that cannot resolve has no worker
+        return False
+    if _here(inst):
+        return True
+    w = _Worker._all.get((inst.key, slot))
+    return w is not None and w.alive()
+
+
 def worker_for(spec: str, slot: int = 0) -> WorkerProcess:
     """A started worker process of the vLLM ``spec`` names, for jobs
     (:func:`impl.target.worker_for`); ``slot`` picks one of several."""
