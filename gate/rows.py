@@ -110,6 +110,9 @@ def run_row(row: dict, seconds: float, db_path: str | None, reports: Path, slot:
     return out
 
 
+NAME_S = 30.0  # the most a row spends naming what its base shows (gate.known.name_of)
+
+
 def _fuzz(row: dict, seconds: float, db_path: str | None, slot: int, seed: int | None,
           hard_end: float, base: Base | None = None) -> Any:
     from impl.target import fit_spec, make_target
@@ -186,7 +189,10 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
         on = replay_on_base(res, base, 0, min(10.0, seconds))
     release = base.release if base is not None else _release(row["target"])
     if on is None or on.fails:  # pre-existing (or, with no base, maybe known): name it
-        known, how = name_of(res, findings, release, slot, hard_end)
+        # naming is worth a share, not the rows after it: at most NAME_S or
+        # two shares (a fix's worker, once started, replays in a moment)
+        known, how = name_of(res, findings, release, slot,
+                             min(hard_end, time.monotonic() + max(NAME_S, 2 * seconds)))
         f = by_name(known, findings)
         if known is not None:
             out.update(known=known, known_label=f.label if f else known,

@@ -1202,7 +1202,10 @@ class Checker:
                            f"one block, {blk}, named at slots {s + i} and {s + j} of the "
                            f"worker's table: the next step starts from the first if "
                            f"{i} draft(s) are accepted, and it holds the second",
-                        step=pp.step, rid=pp.rs.rid, block=blk)
+                        step=pp.step, rid=pp.rs.rid, block=blk,
+                        facts={"fact": "state_clash", "rid": pp.rs.rid, "group": gi,
+                               "step": pp.step, "slots": (s + i, s + j),
+                               "positions": (base - 1 + i, base - 1 + j), "accepted": i})
                 return True
             seen[blk] = j
         return False

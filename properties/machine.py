@@ -917,5 +917,6 @@ def fuzz(spec: FuzzSpec, examples: int = 200, seed: int | None = None,
                 def keep(t: Trace) -> bool:
                     return not base_fails(t.config, t.events, v, None)
 
-            result.trace = minimize(result.trace, target, result.violation.prop, keep=keep)
+            result.trace = minimize(result.trace, target, result.violation.prop, keep=keep,
+                                    seconds=shrink_seconds)
     return result

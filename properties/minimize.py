@@ -77,12 +77,19 @@ def _lower_one(events, violating_prefix, block_size: int):
 
 
 def minimize(trace: Trace, target: Target, prop: int, budget: int = 400,
-             keep: Callable[[Trace], bool] | None = None) -> Trace:
+             keep: Callable[[Trace], bool] | None = None,
+             seconds: float | None = None) -> Trace:
     """The shortest variant of ``trace`` found that still violates ``prop``
     (and that ``keep`` accepts: the gate keeps only what its base does not
-    fail alike)."""
+    fail alike), in at most ``budget`` replays and about ``seconds``."""
+    import time
+
     cfg, meta = trace.config, trace.meta
     tries = 0
+    end = None if seconds is None else time.monotonic() + seconds
+
+    def more() -> bool:
+        return tries < budget and (end is None or time.monotonic() < end)
 
     def violating_prefix(events: list[Event]) -> list[Event] | None:
         nonlocal tries
@@ -104,21 +111,21 @@ def minimize(trace: Trace, target: Target, prop: int, budget: int = 400,
     if events is None:  # not reproducible as a trace: leave it as it is
         return trace
     changed = True
-    while changed and tries < budget:
+    while changed and more():
         changed = False
         for rid in [ev.id for ev in events if isinstance(ev, AddRequest)]:
             got = violating_prefix(_drop_request(events, rid))
             if got is not None:
                 events, changed = got, True
         i = len(events) - 1
-        while i >= 0 and tries < budget:
+        while i >= 0 and more():
             if not isinstance(events[i], AddRequest):
                 got = violating_prefix(events[:i] + events[i + 1:])
                 if got is not None:
                     events, changed = got, True
             i = min(i, len(events)) - 1
         i = len(events) - 2
-        while not changed and i >= 0 and tries < budget:  # a step with its output
+        while not changed and i >= 0 and more():  # a step with its output
             if not any(isinstance(e, AddRequest) for e in events[i:i + 2]):
                 got = violating_prefix(events[:i] + events[i + 2:])
                 if got is not None:

@@ -85,9 +85,13 @@ def gate_one(m: M.Mutant, mode: str, minutes: float, seed: int, work: Path) -> d
 
 
 def _commit() -> str:
-    r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+    """The checkout's commit, ``-dirty`` where files other than the sweep's
+    own outputs (docs/) differ from it."""
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                        capture_output=True, text=True)
-    return r.stdout.strip() or "?"
+    d = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
+                        ":(exclude)docs"], capture_output=True, text=True)
+    return (r.stdout.strip() or "?") + ("-dirty" if d.stdout.strip() else "")
 
 
 def _known_among(intro: list[dict], base: str) -> list[str]:
