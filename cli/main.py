@@ -171,11 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
                "--vllm-test test_null_read.py\nthe test makes vLLM's calls one by one "
                "(schedule(), update_from_output(), ...) and asserts on vLLM's objects at the "
                "step that breaks; its helpers go beside it (kvcheck_utils.py). What that form "
-               "does not state yet (Mamba, drafts, preemption, properties 3-7) is written as a "
-               "replay of the trace. Needs vLLM (0.33 line) and pytest only")
+               "does not state yet (EAGLE and MTP drafts, KV content facts, properties 3-7) "
+               "is written as a replay of the trace. Needs vLLM (0.33 line) and pytest only")
     e.add_argument("trace")
     e.add_argument("--vllm-test", required=True, metavar="OUT.py",
                    help="the module to write (never over an existing file)")
+    e.add_argument("--form", choices=("auto", "steps", "replaying"), default="auto",
+                   help="steps: vLLM's calls one by one, asserting at the step that breaks "
+                        "(refused where it cannot state the trace); replaying: the trace "
+                        "replayed and every step checked (what passes on a fix that repairs "
+                        "the state before the step the step form reads); auto (default): "
+                        "steps where it can")
 
     c = sub.add_parser(
         "check", help="the main job: prove, fuzz every kind, replay attention; a verdict table",
@@ -601,7 +607,12 @@ def cmd_export(a) -> int:
     out = Path(a.vllm_test)
     if out.suffix != ".py":
         raise UsageError(f"--vllm-test {a.vllm_test}: name a .py module")
-    if out.exists() or out.is_symlink():
+    try:
+        there = out.exists() or out.is_symlink()
+    except OSError as e:  # a name too long, a folder that cannot be searched
+        raise UsageError(f"--vllm-test {a.vllm_test}: cannot write there "
+                         f"({e.strerror})") from None
+    if there:
         raise UsageError(f"--vllm-test {a.vllm_test}: exists; kvcheck does not overwrite it")
     if not out.parent.is_dir():
         raise UsageError(f"--vllm-test {a.vllm_test}: no folder {out.parent}")
@@ -609,7 +620,7 @@ def cmd_export(a) -> int:
     from impl.vllm import export_steps
 
     try:  # the step form, else the replaying form for what it does not state yet
-        text, utils, why = export_steps.export(trace, Path(a.trace).stem)
+        text, utils, why = export_steps.export(trace, Path(a.trace).stem, a.form)
     except export_steps.ExportError as e:
         raise UsageError(f"{a.trace} cannot be exported: {e}") from None
     helper = out.parent / "kvcheck_utils.py"

@@ -16,6 +16,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -27,10 +28,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 OUTPUT_TOKEN = 7  # every sampled token
+DRAFT_TOKEN = 9  # every draft token proposed
 CONNECTOR = "KvcheckTestConnector"
 
 
@@ -149,6 +151,7 @@ def build(
     mamba_cache_mode="none",
     pipeline_parallel_size=1,
     prefix_match_unit=None,
+    num_speculative_tokens=0,
 ):
     """The scheduler of a tiny OPT config with these layers (no weights are
     loaded), and a function making its requests; ``load_failure_policy``:
@@ -156,7 +159,8 @@ def build(
     ``mamba_cache_mode``: "align" for Mamba layers with a state per block;
     ``pipeline_parallel_size``: with async scheduling, one batch more than it
     in flight; ``prefix_match_unit``: prefix hits at that many tokens inside a
-    block."""
+    block; ``num_speculative_tokens``: an n-gram drafter proposing that many
+    drafts a step."""
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
@@ -186,10 +190,20 @@ def build(
     )
     if prefix_match_unit:
         cache.prefix_match_unit = prefix_match_unit
+    model_config = ModelConfig(
+        model=str(tmp_path), skip_tokenizer_init=True, max_model_len=max_model_len
+    )
+    parallel = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size)
+    speculative = None
+    if num_speculative_tokens:
+        speculative = SpeculativeConfig(
+            method="ngram_gpu",
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+        )
     vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(tmp_path), skip_tokenizer_init=True, max_model_len=max_model_len
-        ),
+        model_config=model_config,
         cache_config=cache,
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -201,7 +215,8 @@ def build(
         ),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        speculative_config=speculative,
+        parallel_config=parallel,
     )
     scheduler = build_scheduler(vllm_config, layer_specs, num_blocks)
     hasher = None
@@ -236,4 +251,13 @@ def output(scheduler_output, sampled, failed=()):
         prompt_logprobs_dict={},
         pooler_output=[],
         kv_connector_output=failed_loads,
+    )
+
+
+def propose(scheduler, req_ids):
+    """The drafter's proposals on a step's output (synchronous scheduling:
+    the engine hands them to the scheduler after ``update_from_output``)."""
+    k = scheduler.num_spec_tokens
+    scheduler.update_draft_token_ids(
+        DraftTokenIds(list(req_ids), [[DRAFT_TOKEN] * k for _ in req_ids])
     )

@@ -210,9 +210,13 @@ class WorkerProcess:
     def __init__(self, label: str, path: list[str] | None = None,
                  env: dict[str, str] | None = None, setup: str | None = None):
         self.label = label
-        fd, self.log_path = tempfile.mkstemp(prefix="kvcheck-worker-", suffix=".log")
-        ffd, self.flight = tempfile.mkstemp(prefix="kvcheck-flight-", suffix=".bin")
-        os.close(ffd)
+        with _stopping_lock:  # no worker (nor its files) once kill_all has run
+            if _stopping[0]:
+                raise WorkerDied(f"worker {label}: kvcheck is stopping; no worker starts")
+            fd, self.log_path = tempfile.mkstemp(prefix="kvcheck-worker-", suffix=".log")
+            ffd, self.flight = tempfile.mkstemp(prefix="kvcheck-flight-", suffix=".bin")
+            os.close(ffd)
+            _pending_files.update((self.log_path, self.flight))
         e = dict(os.environ)
         e.update({
             "PYTHONPATH": os.pathsep.join([*(path or []), str(REPO)]),
@@ -228,13 +232,18 @@ class WorkerProcess:
             [_python(), "-m", "impl.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=fd, cwd=str(REPO), env=e, bufsize=0)
         os.close(fd)
+        with _stopping_lock:
+            _pending_files.difference_update((self.log_path, self.flight))
+            _started.add(self)
+            if _stopping[0]:  # kill_all ran while this one started
+                self.kill()
+                self.remove_files()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.inp: BinaryIO = self.proc.stdout
         self.out: BinaryIO = self.proc.stdin
         self.info: dict[str, Any] | None = None
         self.startup_error: str | None = None
         self.lock = threading.Lock()
-        _started.add(self)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -348,12 +357,22 @@ class WorkerProcess:
 
 
 _started: weakref.WeakSet[WorkerProcess] = weakref.WeakSet()
+_stopping = [False]  # kill_all has run: no worker starts after it
+_stopping_lock = threading.Lock()
+_pending_files: set[str] = set()  # of workers being started
 
 
 def kill_all() -> None:
     """Stop every worker this process started and remove its temporary
-    files (Ctrl-C, SIGTERM, SIGHUP)."""
-    for w in list(_started):
+    files (Ctrl-C, SIGTERM, SIGHUP); a thread still running starts none
+    after this."""
+    with _stopping_lock:
+        _stopping[0] = True
+        workers = list(_started)
+        for p in list(_pending_files):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+    for w in workers:
         w.kill()
         w.remove_files()
 

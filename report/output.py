@@ -26,24 +26,32 @@ class OutputError(ValueError):
 def fresh_run_dir(parent: Path) -> Path:
     """A new folder under ``parent`` named by the time, and ``parent/latest``
     pointing at it (a ``latest`` that is not kvcheck's link is refused)."""
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the folder goes, a folder not writable
+        raise OutputError(f"{str(parent)[:200]}: cannot make the run folder there "
+                          f"({e.strerror or e})") from None
     latest = parent / "latest"
     if latest.exists() and not latest.is_symlink():
         raise OutputError(f"{latest} exists and is not kvcheck's link; move it away")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        d = parent / (stamp if n == 0 else f"{stamp}-{n}")
-        try:
-            d.mkdir()
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise OutputError(f"{parent}: no fresh run folder name left for {stamp}")
-    tmp = parent / f".latest-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(d.name)
-    os.replace(tmp, latest)
+    try:
+        for n in range(1000):
+            d = parent / (stamp if n == 0 else f"{stamp}-{n}")
+            try:
+                d.mkdir()
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise OutputError(f"{parent}: no fresh run folder name left for {stamp}")
+        tmp = parent / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(d.name)
+        os.replace(tmp, latest)
+    except OSError as e:
+        raise OutputError(f"{str(parent)[:200]}: cannot make the run folder there "
+                          f"({e.strerror or e})") from None
     return d
 
 
@@ -56,6 +64,8 @@ def check_named_file(path: str, flag: str) -> None:
     try:
         if p.is_dir():
             raise OutputError(f"{flag} {path}: is a folder; name a file")
+        if p.exists() and not p.is_file():  # a FIFO, a device, a socket
+            raise OutputError(f"{flag} {path}: not a regular file; name a file")
         folder = p.parent
         if not folder.is_dir():
             raise OutputError(f"{flag} {path}: {folder} is not a folder")
@@ -67,13 +77,24 @@ def check_named_file(path: str, flag: str) -> None:
 
 def replace_file(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over
-    ``path`` (atomically: a reader sees the old file or the new, whole)."""
+    ``path`` (atomically: a reader sees the old file or the new, whole), as
+    pytest writes ``--junitxml``: through a symbolic link to the file it
+    names, keeping an existing file's mode (a new one's: 0666 less the umask)."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -1026,7 +1026,8 @@ def _write_group(res: ReplayResult, out: str | Path, name: str, target: str | No
                 if "py" in temps:
                     temps.pop("py").unlink(missing_ok=True)
                 src = reproducer_source(trace, target, stem, None, names["py"])
-                temps["py"] = _temp(out, ".py", src.encode())
+                # an id no encoding can write (a lone surrogate) stays an escape
+                temps["py"] = _temp(out, ".py", src.encode("utf-8", "backslashreplace"))
             placed: list[Path] = []
             try:
                 for k in FILES:

@@ -600,6 +600,11 @@ def test_an_id_the_terminal_cannot_print_is_escaped(tmp_path, rid, env):
     r = _subprocess("replay", str(p), "--no-report", env=env, cwd=tmp_path)
     assert r.returncode in (0, 1) and "Traceback" not in r.stdout + r.stderr, r.stderr
     assert "verdict:" in r.stdout and ("\\ud800" in r.stdout or "\\xe9" in r.stdout)
+    # the report too: its reproducer keeps an id UTF-8 cannot write as an escape
+    r = _subprocess("replay", str(p), env=env, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr
+    (py,) = (tmp_path / "counterexamples").glob("test_*.py")
+    compile(py.read_text(), str(py), "exec")
 
 
 @pytest.mark.parametrize("text, says", [
@@ -669,13 +674,47 @@ def test_check_never_writes_over_an_earlier_report(tmp_path, capsys, monkeypatch
     assert "not kvcheck's link" in one_line_error(*cli(capsys, "check", *skip, "--out", "r"))
 
 
+def test_named_outputs_are_regular_files_written_through_links_with_their_mode(
+        tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    line = one_line_error(*cli(capsys, *FUZZ, "--examples", "5", "--json", str(fifo),
+                               "--out", str(tmp_path / "ce")))
+    assert "not a regular file" in line and stat.S_ISFIFO(fifo.stat().st_mode)
+    mine = tmp_path / "mine.json"
+    mine.write_text("old")
+    mine.chmod(0o644)
+    link = tmp_path / "link.json"
+    link.symlink_to(mine)
+    code, out, err = cli(capsys, *FUZZ, "--examples", "5", "--json", str(link),
+                         "--out", str(tmp_path / "ce"))
+    assert code in (0, 1) and link.is_symlink(), err
+    assert json.loads(mine.read_text())["verdict"] and stat.S_IMODE(mine.stat().st_mode) == 0o644
+
+
+def test_a_file_where_an_output_folder_goes_is_one_line(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "check").write_text("mine")
+    skip = [x for part in ("prove", "fuzz", "attention") for x in ("--skip", part)]
+    line = one_line_error(*cli(capsys, "check", *skip, "--out", str(tmp_path / "r")))
+    assert "cannot make the run folder there" in line
+    assert (tmp_path / "r" / "check").read_text() == "mine"
+    long = tmp_path / ("a" * 300 + ".py")
+    trace = ROOT / "traces" / "attention" / "swa-unordered-optimistic.json"
+    line = one_line_error(*cli(capsys, "export", str(trace), "--vllm-test", str(long)))
+    assert "cannot write there" in line
+
+
 def test_no_command_is_one_line_on_stderr():
     r = _subprocess()
     assert r.returncode == 2 and not r.stdout and "name a command" in r.stderr
 
 
-@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129)])
-def test_a_terminating_signal_ends_the_run_as_ctrl_c_does(tmp_path, sig, code):
+@pytest.mark.parametrize("sig, code, cmd", [
+    ("SIGTERM", 143, "fuzz"), ("SIGHUP", 129, "fuzz"), ("SIGTERM", 143, "gate")])
+def test_a_terminating_signal_ends_the_run_as_ctrl_c_does(tmp_path, sig, code, cmd):
     import os
     import signal
     import subprocess
@@ -684,13 +723,18 @@ def test_a_terminating_signal_ends_the_run_as_ctrl_c_does(tmp_path, sig, code):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env["TMPDIR"] = str(tmp_path)
-    p = subprocess.Popen([sys.executable, str(ROOT / "kvcheck"), *FUZZ, "--examples", "100000",
-                          "--workers", "2", "--out", str(tmp_path / "ce")], env=env,
+    # the gate's rows go on in threads of their own while it stops: none may
+    # start a worker (and its temporary files) after the signal
+    args = ([*FUZZ, "--examples", "100000", "--workers", "2", "--out", str(tmp_path / "ce")]
+            if cmd == "fuzz" else
+            ["gate", "--target", "reference", "--minutes", "0.5", "--workers", "2",
+             "--reports", str(tmp_path / "g")])
+    p = subprocess.Popen([sys.executable, str(ROOT / "kvcheck"), *args], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("kvcheck-worker-*.log")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)
+    time.sleep(1.0 if cmd == "fuzz" else 6.0)
     p.send_signal(getattr(signal, sig))
     out, err = p.communicate(timeout=60)
     assert p.returncode == code, (out, err)

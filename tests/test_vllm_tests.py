@@ -40,6 +40,9 @@ def _module(stem: str) -> Path:
 
 
 EXPORTED = [s for s in TRACES if _module(s).is_file()]
+# kept in the replaying form though the step form states them: their fix
+# repairs the state in a step before the one the step form's assertion reads
+REPLAYING = {"failed-load-recovery-hybrid-keeps-copied-mamba-state"}
 
 
 def _steps(stem: str) -> bool:
@@ -80,7 +83,7 @@ def test_every_finding_has_its_vllm_test():
 @pytest.mark.vllm
 @pytest.mark.parametrize("stem", EXPORTED)
 def test_module_is_what_the_exporter_writes(stem):
-    text, _, _ = export(TRACES[stem], stem)
+    text, _, _ = export(TRACES[stem], stem, "replaying" if stem in REPLAYING else "auto")
     assert _module(stem).read_text() == text, (
         f"regenerate: ./kvcheck export {PATHS[stem].relative_to(ROOT)} --vllm-test ...")
 

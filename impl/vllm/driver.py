@@ -346,6 +346,20 @@ class Driver:
                         mamba_cache_mode="align", page_size_padded=pad,
                         num_speculative_blocks=cfg.spec_tokens)
 
+    def planned_specs(self, cfg: Config) -> dict[str, Any]:
+        """The layer specs the planner is given: :meth:`layer_specs`, and with an
+        EAGLE (MTP) drafter and no draft group of the config's own, the draft
+        layer, of the first group's spec: vLLM's planner groups it with layer0
+        and (0.33) marks that group an EAGLE group."""
+        specs = self.layer_specs(cfg)
+        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp") and \
+                not any(g.draft for g in cfg.groups):
+            first = specs["layer0"]
+            specs[DRAFT_LAYER] = (dataclasses.replace(first, is_draft=True)
+                                  if "is_draft" in {f.name for f in dataclasses.fields(first)}
+                                  else first)
+        return specs
+
     def layer_specs(self, cfg: Config) -> dict[str, Any]:
         """One layer per group, ``layer{i}`` (a draft group's: the draft layer)."""
         return {(DRAFT_LAYER if g.draft else f"layer{i}"): self._group_spec(g, cfg, i)
@@ -382,16 +396,9 @@ class Driver:
                 f"vllm {self.version}'s chunked-local manager asserts, at every prefix-cache "
                 "lookup, that its block size is the scheduler's: groups of different block "
                 "sizes with chunked-local attention and prefix caching cannot run")
-        specs = self.layer_specs(cfg)
-        want = [(name,) for name in specs]
-        if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp") and \
-                not any(g.draft for g in cfg.groups):
-            # EAGLE's (MTP's) draft layer, of the first group's spec: vLLM's planner
-            # groups it with layer0 and (0.33) marks that group an EAGLE group
-            first = specs["layer0"]
-            specs[DRAFT_LAYER] = (dataclasses.replace(first, is_draft=True)
-                                  if "is_draft" in {f.name for f in dataclasses.fields(first)}
-                                  else first)
+        specs = self.planned_specs(cfg)
+        want = [(name,) for name in self.layer_specs(cfg)]
+        if DRAFT_LAYER in specs and not any(g.draft for g in cfg.groups):
             want[0] = ("layer0", DRAFT_LAYER)
         try:
             kvc, block_size, hash_block_size = compat.plan_kv_cache(vc, specs, cfg.num_blocks)

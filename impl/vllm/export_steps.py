@@ -37,7 +37,7 @@ from typing import Any
 from model.events import Trace
 
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
-KINDS = {"full", "sliding", "chunked_local", "mamba", "sink"}
+KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
          "output_counts_after_failed_read", "raises"}
 
@@ -65,8 +65,9 @@ def _check(trace: Trace) -> None:
     if bad:
         raise ExportError(f"kind {bad[0]}: this form states "
                           f"{', '.join(sorted(KINDS))} layers")
-    if cfg.spec_tokens:
-        raise ExportError("drafts: this form does not state draft proposals yet")
+    if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
+        raise ExportError(f"drafts of an {cfg.drafter.upper()} model: this form states "
+                          f"n-gram drafts only")
     if any(g.retained for g in cfg.groups):
         raise ExportError("retained tokens are not stated yet")
 
@@ -105,7 +106,7 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
     d = Driver()
     d.script = []
     checker = Checker(trace.config)
-    specs = d.layer_specs(trace.config)
+    specs = d.planned_specs(trace.config)
     try:
         checker.feed(None, d.reset(trace.config))
     except Unsupported as e:
@@ -141,9 +142,6 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
         raise ExportError(f"the trace holds on vllm {d.version}: there is nothing to assert")
     if v.facts is None or v.facts.get("fact") not in FACTS:
         raise ExportError(f"property {v.prop} ({v.name}): this form does not state it yet")
-    kinds = {e[0] for e in d.script}
-    if kinds & {"preempt", "drafts"}:
-        raise ExportError("a forced preemption or draft proposals: not stated by this form")
     body = _steps(d.script[1:], v, at, trace, d)
     return _module(trace, name, v, specs, body, d.version, _mode(d, trace)), utils_source()
 
@@ -195,10 +193,13 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
             for rid in tables.get(step, ()):
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
+        elif e[0] in ("preempt", "drafts"):
+            out += _call_line(e, tables).splitlines()
         elif e[0] in ("add", "process", "finish"):
             if (e[0] == "process" and e[1] == f.get("step")
                     and f["fact"] == "output_counts_after_failed_read"):
-                out.append(f"before = scheduler.requests[{f['rid']!r}].num_output_tokens")
+                out += [f"req = scheduler.requests[{f['rid']!r}]  # held: it may finish",
+                        "before = req.num_output_tokens"]
             out.append(_call_line(e, tables))
     out += _assertion(f, cfg, B)
     # a step output nothing reads later is not named
@@ -228,14 +229,22 @@ def _call_line(e: tuple, tables: dict) -> str:
         return f"scheduler.add_request(request({e[1]!r}, {e[2]}, {e[4]}{var}))"
     if e[0] == "finish":
         return f"scheduler.finish_requests({e[1]!r}, RequestStatus.{e[2]})"
+    if e[0] == "drafts":  # the drafter's proposals on that output
+        return f"propose(scheduler, {list(e[1])!r})"
+    if e[0] == "preempt":  # as schedule() preempts under pool pressure
+        return (f"req = scheduler.requests[{e[1]!r}]  # preempted as schedule() does\n"
+                "scheduler.running.remove(req)\n"
+                "scheduler._preempt_request(\n"
+                "    req, 0.0, drop_stale_output=scheduler.requires_kv_delivery)")
     raise ExportError(f"a call of kind {e[0]} raised; not stated by this form")
 
 
-def _read_blocks(cfg: Any, g: int, B: int) -> str:
+def _read_blocks(cfg: Any, g: int, B: int, rid: str) -> str:
     """The logical blocks a step computing ``[start, end)`` reads (and
     writes), as a set expression, drawn per kind: an attention layer's
-    positions ``range(lo, end)`` by block; a Mamba layer's (``align`` mode)
-    state after ``start - 1`` and state after ``end - 1``::
+    positions ``range(lo, end)`` by block (R-SWA's whole prompt too); a Mamba
+    layer's (``align`` mode) state after ``start - 1`` and state after
+    ``end - 1``::
 
         B = 4, start = 4, end = 12   [ 0..3 | 4..7 | 8..11 ]
                                         in            out
@@ -247,6 +256,10 @@ def _read_blocks(cfg: Any, g: int, B: int) -> str:
         lo = f"max(0, start - {grp.param - 1})"
     elif grp.kind == "chunked_local":  # [t // C * C, t]
         lo = f"start // {grp.param} * {grp.param}"
+    elif grp.kind == "rswa":  # [0, t] within the prompt P, then [0, P) and [t - R + 1, t]
+        prompt = f"scheduler.requests[{rid!r}].num_prompt_tokens"
+        return (f"{{q // {B} for q in range(max(0, start - {grp.param - 1}), end)}}"
+                f" | {{q // {B} for q in range(min({prompt}, end))}}")
     else:  # full attention (a sink's too: its sink blocks are not in the table)
         lo = "0"
     return f"{{q // {B} for q in range({lo}, end)}}"
@@ -295,7 +308,7 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
         s, g = f["step"], f["group"]
         return [
             f"table = tables[{g}].req_to_blocks.get({rid!r}, [])",
-            f"read = set() if start is None else {_read_blocks(cfg, g, B)}",
+            f"read = set() if start is None else {_read_blocks(cfg, g, B, rid)}",
             "null = sorted(lg for lg in read if table[lg].is_null)",
             "assert not null, (",
             *_message(f"step {s} computes {rid}'s positions [{{start}}, {{end}}), whose "
@@ -309,8 +322,7 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
     if fact == "output_counts_after_failed_read":
         lg, x, y = f["logical"], f["bad_from"], f["bad_to"]
         return [
-            f"req = scheduler.requests.get({rid!r})",
-            "assert req is None or req.num_output_tokens == before, (",
+            "assert req.num_output_tokens == before, (",
             *_message(f"{rid}'s output of step {s} counts (it took the sampled token), "
                       f"but step {s} read {rid}'s logical block {lg} (positions [{x}, {y})), "
                       f"whose connector load failed in that same output"),
@@ -356,8 +368,9 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
         f"from vllm.v1.kv_cache_interface import {', '.join(classes)}",
         *(["from vllm.v1.request import RequestStatus"] if finishes else []),
         "",
-        "from kvcheck_utils import build" + (", output" if any("output(" in ln for ln in body)
-                                             else ""),
+        "from kvcheck_utils import build"
+        + "".join(f", {f}" for f in ("output", "propose")
+                  if any(f"{f}(" in ln for ln in body)),
         "",
         "pytestmark = pytest.mark.cpu_test",
         "",
@@ -377,6 +390,8 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
         + (', mamba_cache_mode="align"' if any(g.kind == "mamba" for g in cfg.groups)
            else "") + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
         + (f", prefix_match_unit={cfg.prefix_match_unit}" if cfg.prefix_match_unit else "")
+        + (f", num_speculative_tokens={cfg.spec_tokens}" if cfg.spec_tokens else "")
+
         + ")",
     ]
     if build_raises:  # vLLM cannot build the scheduler of these layers
@@ -450,15 +465,28 @@ def step_form(trace: Trace, name: str) -> tuple[str, str]:
     return formatted(text), formatted(utils)
 
 
-def export(trace: Trace, name: str) -> tuple[str, str | None, str]:
-    """(test, its helpers or None, why the step form was not used or "")."""
+FORMS = ("auto", "steps", "replaying")
+
+
+def export(trace: Trace, name: str, form: str = "auto") -> tuple[str, str | None, str]:
+    """(test, its helpers or None, why the step form was not used or "").
+    ``form``: ``steps`` (vLLM's calls one by one, or ExportError), ``replaying``
+    (the trace replayed), ``auto``: the step form where it states the trace.
+    A step-form test asserts the fact at the step that breaks; where a fix
+    repairs the state in an earlier step than the one the assertion reads
+    (a failed load recomputed before a later step reads it), the replaying
+    form, which checks every step, is the one that passes on the fix."""
     from impl.vllm import export as replaying
 
-    try:
-        text, utils = step_form(trace, name)
-        return text, utils, ""
-    except ExportError as e:
-        why = str(e)
+    why = "asked for the replaying form"
+    if form != "replaying":
+        try:
+            text, utils = step_form(trace, name)
+            return text, utils, ""
+        except ExportError as e:
+            if form == "steps":
+                raise
+            why = str(e)
     try:
         return replaying.vllm_test_source(trace, name), None, why
     except replaying.ExportError as e:
