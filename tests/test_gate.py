@@ -287,6 +287,24 @@ def test_gate_of_a_slip_fails_with_it_introduced_and_the_release_does_not(tmp_pa
     assert "against base vllm@0.33.0 (the release itself" in out and "FAIL" not in out
 
 
+@pytest.mark.vllm
+def test_a_row_looks_past_the_bugs_its_base_shows_alike(tmp_path):
+    """A change that fixes finding 5, gated on a row where finding 1 fails
+    most examples on both trees: each such example is passed over (replayed
+    on the base in the row's run), the row runs on past them, finds nothing
+    of the change's own, and lists the base's bug, named."""
+    code, out, err = gate("--target", with_fix("vllm@0.33.0", FIX_MAMBA), "--base",
+                          "vllm@0.33.0", "--rows", "sliding-unordered-d1-k0-nopc-fl",
+                          "--minutes", "1", "--workers", "1", "--seed", "1", "--quiet",
+                          "--reports", str(tmp_path / "r"))
+    assert code in (0, 4), out + err
+    (row,) = json.loads((tmp_path / "r" / "latest" / "gate.json").read_text())["rows"]
+    assert row["status"] == "on base" and row["passed_over"] >= 1, row
+    assert row["examples"] > row["passed_over"]  # it went on past them
+    assert by_name(row["known"]).number in (1, 2, 3), row["known"]
+    assert "introduced 0" in out
+
+
 def test_bad_gate_input_is_one_line_and_exit_2(tmp_path):
     for args, says in ((["--target", "vllm@0.33"], "not a release number"),
                        (["--target", f"vllm@{tmp_path}/none"], "neither a vLLM release"),
