@@ -275,3 +275,36 @@ def write_junit(results: list[dict], path: Path, suite: str) -> None:
     root.append(el)
     replace_file(path, '<?xml version="1.0" encoding="utf-8"?>\n'
                  + ET.tostring(root, encoding="unicode"))
+
+
+def provenance(targets: list[str], seed: int | None) -> dict[str, Any]:
+    """What a run's verdicts depend on, written into ``gate.json`` and the
+    nightly's ``summary.json`` so a result read later (or merged with other
+    machines') says what made it: kvcheck's commit (``-dirty`` where its
+    tracked files differ from it), the seed (None: Hypothesis's own), the
+    release each vLLM target runs on, Python's and Hypothesis's versions."""
+    import platform
+    import subprocess
+
+    import hypothesis
+
+    from gate.base import release_of
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "", ""
+    releases: dict[str, str | None] = {}
+    for t in sorted(set(targets)):
+        try:
+            releases[t] = release_of(t) if t.startswith("vllm@") else None
+        except Exception:  # noqa: BLE001 - a target that cannot resolve has no release
+            releases[t] = None
+    return {"kvcheck": (head + "-dirty" if dirty else head) if head else "unknown",
+            "seed": seed, "vllm_releases": releases,
+            "python": platform.python_version(), "hypothesis": hypothesis.__version__}

@@ -21,7 +21,7 @@ from gate.attribution import fixed_by_change
 from gate.base import Changes, changed_lines, default_base, given_base
 from gate.known import known_findings
 from gate.matrix import feature_rows, gate_matrix, narrow, spec_of
-from gate.report import GateRun, markdown, summary, write_junit
+from gate.report import GateRun, markdown, provenance, summary, write_junit
 from gate.rows import exit_status, run_rows
 from report.output import fresh_run_dir, replace_file
 
@@ -179,7 +179,8 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
          "verdict": run.verdict, "changed": changes.files,
          "fixed": [f.__dict__ for f in fixed],
          "changed_lines_executed": None if probed is None else
-         {k: sorted(v) for k, v in probed.executed.items()}, "rows": results},
+         {k: sorted(v) for k, v in probed.executed.items()},
+         "provenance": provenance([o.target, base.target], o.seed), "rows": results},
         indent=1, default=str))
     write_junit(results, junit, "kvcheck-gate")
     for line in summary(run):

@@ -241,7 +241,7 @@ def _db_label(db: str) -> str:
 
 def run(minutes: float, reports: Path, db: str, workers: int | None = None,
         matrix_spec: str | None = None, python: str = sys.executable) -> int:
-    from gate.report import write_junit
+    from gate.report import provenance, write_junit
     from gate.rows import exit_status, run_rows
     from report.output import OutputError, fresh_run_dir
 
@@ -276,7 +276,8 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
                "seconds": round(time.time() - t0, 1),
                "minutes": minutes, "workers": workers, "cpus": ncpu,
                "per_row_seconds": round(budget * workers / max(1, len(rows)), 1),
-               "database": _db_label(db), "notes": notes}
+               "database": _db_label(db), "notes": notes,
+               "provenance": provenance([r["target"] for r in rows], None)}
     (reports / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = format_markdown(summary, reports)
     (reports / "summary.md").write_text(md)

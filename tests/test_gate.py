@@ -301,6 +301,8 @@ def test_a_row_looks_past_the_bugs_its_base_shows_alike(tmp_path):
     (row,) = json.loads((tmp_path / "r" / "latest" / "gate.json").read_text())["rows"]
     assert row["status"] == "on base" and row["passed_over"] >= 1, row
     assert row["examples"] > row["passed_over"]  # it went on past them
+    pv = json.loads((tmp_path / "r" / "latest" / "gate.json").read_text())["provenance"]
+    assert pv["seed"] == 1 and set(pv["vllm_releases"].values()) == {"0.33.0"}
     assert by_name(row["known"]).number in (1, 2, 3), row["known"]
     assert "introduced 0" in out
 

@@ -159,6 +159,9 @@ def test_nightly_end_to_end_and_replay_first(tmp_path):
     s = json.loads((rep / "summary.json").read_text())
     rows = {r["id"]: r for r in s["rows"]}
     assert not s["ok"] and s["failed"] == 2 and s["passed"] == 1
+    pv = s["provenance"]  # what a result read later, or merged, depends on
+    assert len(pv["kvcheck"].partition("-")[0]) == 40 and pv["hypothesis"]
+    assert pv["vllm_releases"] == {"reference": None, "vllm@9.9.9": "9.9.9"}
     bad = rows[bad_id]
     assert bad["verdict"].startswith("VIOLATION p1") and bad["examples_to_fail"] >= 1
     for key in ("png", "reproducer", "trace"):
