@@ -29,7 +29,9 @@ ALL_KINDS = (*KINDS, "hybrid")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one clear line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
+        # a subcommand names itself ("kvcheck fuzz: ..."); the top level's
+        # line already starts "kvcheck: error:"
+        raise UsageError(message if self.prog == "kvcheck" else f"{self.prog}: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -827,7 +829,36 @@ def run(argv: list[str]) -> int:
         said = ("interrupted" if signum == signal.SIGINT
                 else f"stopped by {signal.Signals(signum).name}")
         print(f"kvcheck: {said}", file=sys.stderr)
-        code = 128 + signum
+        return _quiet_exit(128 + signum)
+    # the workers closed here rather than at exit: a signal that lands while
+    # they close is noted, not raised, and still ends the run with its line
+    late: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: late.append(signum))
+    _close_workers()
+    if late:
+        said = ("interrupted" if late[0] == signal.SIGINT
+                else f"stopped by {signal.Signals(late[0]).name}")
+        print(f"kvcheck: {said}", file=sys.stderr)
+        code = 128 + late[0]
+    return _quiet_exit(code)
+
+
+def _close_workers() -> None:
+    """Close every worker this process started (what exit would do)."""
+    from impl.worker import shutdown_plain
+
+    shutdown_plain()
+    for mod, fn in (("impl.vllm", "_shutdown_all"), ("impl.sglang.target", "_shutdown")):
+        m = sys.modules.get(mod)
+        if m is not None:
+            getattr(m, fn)()
+
+
+def _quiet_exit(code: int) -> int:
+    """Signals are ignored from here to the exit, which has nothing left to do."""
+    import signal
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     return code
