@@ -622,25 +622,24 @@ def cmd_export(a) -> int:
     from impl.vllm import export_steps
 
     try:  # the step form, else the replaying form for what it does not state yet
-        text, utils, why = export_steps.export(trace, Path(a.trace).stem, a.form)
+        text, (helper_name, utils), why = export_steps.export(trace, Path(a.trace).stem,
+                                                              a.form)
     except export_steps.ExportError as e:
         raise UsageError(f"{a.trace} cannot be exported: {e}") from None
-    helper = out.parent / "kvcheck_utils.py"
-    if utils is not None and helper.exists() and helper.read_text() != utils:
+    helper = out.parent / helper_name
+    if helper.exists() and helper.read_text() != utils:
         raise UsageError(f"{helper} exists and differs from the helpers this test needs; "
                          f"export into another folder or move it away")
     try:
         with open(out, "x") as f:
             f.write(text)
-        if utils is not None and not helper.exists():
+        if not helper.exists():
             with open(helper, "x") as f:
                 f.write(utils)
     except OSError as e:
         raise UsageError(f"--vllm-test {a.vllm_test}: {e.strerror}") from None
-    if utils is not None:
-        print(f"wrote {out} ({len(text.splitlines())} lines; its helpers: {helper})")
-    else:
-        print(f"wrote {out} in the replaying form (the step form: {why})")
+    form = "" if not why else f" in the replaying form (the step form: {why})"
+    print(f"wrote {out}{form} ({len(text.splitlines())} lines; its helpers: {helper})")
     print(f"run: pytest {out}")
     return EXIT_OK
 
@@ -821,6 +820,10 @@ def run(argv: list[str]) -> int:
 
     try:
         code = main(argv)
+    except BrokenPipeError:  # the reader went away (| head): end as a pipe's writer does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _quiet_exit(128 + signal.SIGPIPE)
     except KeyboardInterrupt as e:
         from impl.worker import kill_all
 

@@ -9,6 +9,8 @@ requests and model runner outputs.
 import json
 from typing import Any
 
+import torch
+
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -137,16 +139,24 @@ def build_scheduler(
     )
 
 
+def attention(spec_cls, block_size, **kw):
+    """An attention layer's spec, as every one here is: one KV head of eight
+    float32 values a token (``kw``: the kind's own fields)."""
+    return spec_cls(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32, **kw
+    )
+
+
 def build(
     tmp_path,
     layer_specs,
     num_blocks,
     block_size,
     max_num_batched_tokens,
-    max_num_seqs,
     max_model_len,
-    async_scheduling,
-    prefix_caching,
+    max_num_seqs=4,
+    async_scheduling=False,
+    prefix_caching=False,
     load_failure_policy=None,
     mamba_cache_mode="none",
     pipeline_parallel_size=1,

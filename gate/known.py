@@ -192,7 +192,7 @@ def fix_candidates(res: Any, findings: list[Finding], release: str,
 
 def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 0,
                     replay: Any = None, any_text: bool = False,
-                    deadline: float | None = None) -> str | None:
+                    deadline: float | None = None, release: str | None = None) -> str | None:
     """A counterexample on ``target``, the release a finding was found on,
     that no longer fails once that finding's fix is applied
     (``TARGET+FIX.diff``, replayed beside it) is that finding; None when no
@@ -206,7 +206,7 @@ def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 
             return replay_beside(trace, fixed, slot=slot)
     from impl.vllm import worker_started
 
-    for f in fix_candidates(res, findings, target, any_text):
+    for f in fix_candidates(res, findings, release or target, any_text):
         # a fix's tree runs in a worker of its own, started on first use
         fixed = with_fix(target, f.fixed_by)
         need = REPLAY_S if worker_started(fixed, slot) else FIX_START_S
@@ -216,6 +216,23 @@ def classify_by_fix(res: Any, findings: list[Finding], target: str, slot: int = 
         if rr.crash is None and not rr.violations:
             return f.name
     return None
+
+
+def exposed(res: Any, findings: list[Finding], target: str, release: str | None,
+            slot: int = 0, deadline: float | None = None) -> str | None:
+    """The known finding of ``release`` a counterexample found on ``target``
+    alone is, seen through the change (a changed eviction order reaching a
+    failed load's cached block by another trace): its property and text are
+    the finding's, and it holds once that finding's fix is applied to the
+    target itself (``vllm@PATH+FIX.diff``). None when no such fix applies to
+    the target or clears it (then the change brought it)."""
+    if not release or res.trace is None:
+        return None
+    try:
+        return classify_by_fix(res, findings, target, slot, deadline=deadline,
+                               release=f"vllm@{release}")
+    except Exception:  # noqa: BLE001 - a fix that does not apply to the change's tree
+        return None
 
 
 def name_of(res: Any, findings: list[Finding], release: str | None, slot: int = 0,

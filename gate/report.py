@@ -62,6 +62,8 @@ def _counts(run: GateRun) -> str:
         parts.append(f"not run (--fail-fast) {c['not run']}")
     if run.base is None:
         parts[1] = f"known {c['known']}"
+    elif c["known"]:  # known findings the change exposes (gate.known.exposed)
+        parts.insert(2, f"known, exposed {c['known']}")
     parts += [f"{k} {c[k]}" for k in ("unsupported", "unavailable", "harness error") if c[k]]
     return " · ".join(parts)
 
@@ -148,9 +150,14 @@ def summary(run: GateRun, md: bool = False) -> list[str]:
     if on:
         groups: dict[str, list[dict]] = defaultdict(list)
         for r in on:
-            groups[r.get("known_label") or f"unnamed {_what(r)}"].append(r)
-        title = "also on base (pre-existing, not failing the gate):" if b is not None \
-            else "known findings:"
+            label = r.get("known_label") or f"unnamed {_what(r)}"
+            if r["status"] == "known" and b is not None:  # exposed by the change
+                label += " (exposed: on the target only; holds with its fix there)"
+            groups[label].append(r)
+        title = ("known findings:" if b is None else
+                 "also on base, or known findings the change exposes (not failing the gate):"
+                 if any(r["status"] == "known" for r in on) else
+                 "also on base (pre-existing, not failing the gate):")
         out += ["", title]
         items = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
         for label, rows in items[:8]:

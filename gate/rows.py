@@ -42,7 +42,7 @@ from typing import Any
 
 from gate.attribution import OnBase, replay_on_base
 from gate.base import Base
-from gate.known import Finding, by_name, known_findings, name_of
+from gate.known import Finding, by_name, exposed, known_findings, name_of
 from gate.matrix import spec_of
 
 VACUOUS_GRACE = 2.0  # a vacuous row's extra time, in shares (properties.jobs.fuzz_job)
@@ -219,6 +219,20 @@ def _run(row: dict, seconds: float, db_path: str | None, reports: Path, slot: in
             out["trace"] = str(res.trace.save(cdir / f"{row['id']}-changed.json"))
         return
     else:
+        # a known finding the change only exposes: it holds with the finding's
+        # fix applied to the target itself (gate.known.exposed)
+        known = exposed(res, findings, row["target"], base.release, slot,
+                        min(hard_end, time.monotonic() + max(NAME_S, 2 * seconds)))
+        f = by_name(known, findings)
+        if known is not None:
+            out.update(status="known", known=known, known_label=f.label if f else known,
+                       known_how="exposed", base_note=on.note,
+                       verdict=f"known: {f.label if f else known}, exposed by this change "
+                               f"({what} on the target only; it holds with that finding's fix "
+                               f"applied to the target)")
+            if res.trace is not None:
+                out["trace"] = str(res.trace.save(cdir / f"{row['id']}-exposed.json"))
+            return
         out.update(status="introduced", verdict=f"introduced: {what}", exit=3 if crash else 1,
                    base_note=on.note)
     if crash:

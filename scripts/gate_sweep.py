@@ -89,8 +89,8 @@ def _commit() -> str:
     own outputs (docs/) differ from it."""
     r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                        capture_output=True, text=True)
-    d = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
-                        ":(exclude)docs"], capture_output=True, text=True)
+    d = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no",
+                        "--", ".", ":(exclude)docs"], capture_output=True, text=True)
     return (r.stdout.strip() or "?") + ("-dirty" if d.stdout.strip() else "")
 
 

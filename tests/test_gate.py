@@ -288,6 +288,28 @@ def test_gate_of_a_slip_fails_with_it_introduced_and_the_release_does_not(tmp_pa
 
 
 @pytest.mark.vllm
+def test_a_known_finding_a_change_exposes_is_named_by_its_fix_on_the_change(tmp_path):
+    """A counterexample on a pull request's tree that the base cannot show
+    (another eviction order reaches a failed load's block by another trace)
+    is the known finding when it holds once that finding's fix is applied to
+    the pull request's tree itself (vllm@PATH+FIX.diff)."""
+    from gate.known import exposed
+
+    tree = tmp_path / "pr"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "--tree",
+                    "cached-evicted-first", str(tree)], check=True, capture_output=True)
+    res = _res("failed-load-in-flight-output-delivered")
+    findings = known_findings()
+    assert by_name(exposed(res, findings, f"vllm@{tree}", "0.33.0"), findings).number == 3
+    # a slip's own counterexample matches no finding's fix: it stays introduced
+    slip = _res("failed-load-in-flight-output-delivered")
+    from properties.invariants import Violation
+
+    slip.violation = Violation(1, "property 1 (freed-while-read): block 4 returned")
+    assert exposed(slip, findings, f"vllm@{tree}", "0.33.0") is None
+
+
+@pytest.mark.vllm
 def test_a_row_looks_past_the_bugs_its_base_shows_alike(tmp_path):
     """A change that fixes finding 5, gated on a row where finding 1 fails
     most examples on both trees: each such example is passed over (replayed

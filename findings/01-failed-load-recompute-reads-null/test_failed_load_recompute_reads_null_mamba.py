@@ -30,7 +30,7 @@ def test_failed_load_recompute_reads_null_mamba(tmp_path):
             shapes=((8,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
-        ),
+        )
     }
     scheduler, request = build(
         tmp_path,
@@ -38,9 +38,7 @@ def test_failed_load_recompute_reads_null_mamba(tmp_path):
         num_blocks=6,
         block_size=16,
         max_num_batched_tokens=16,
-        max_num_seqs=4,
         max_model_len=512,
-        async_scheduling=False,
         prefix_caching=True,
         load_failure_policy="recompute",
         mamba_cache_mode="align",

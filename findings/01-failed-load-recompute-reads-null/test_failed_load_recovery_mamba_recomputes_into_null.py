@@ -33,7 +33,7 @@ def test_failed_load_recovery_mamba_recomputes_into_null(tmp_path):
             shapes=((8,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
-        ),
+        )
     }
     scheduler, request = build(
         tmp_path,
@@ -41,7 +41,6 @@ def test_failed_load_recovery_mamba_recomputes_into_null(tmp_path):
         num_blocks=9,
         block_size=4,
         max_num_batched_tokens=8,
-        max_num_seqs=4,
         max_model_len=32,
         async_scheduling=True,
         prefix_caching=True,

@@ -15,35 +15,23 @@ Passes with these diffs applied in turn:
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-from kvcheck_utils import build, output
+from kvcheck_utils import attention, build, output
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_failed_load_rollback_to_held_window_reads_null(tmp_path):
-    layers = {
-        "layer0": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=8,
-            dtype=torch.float32,
-            sliding_window=2,
-        ),
-    }
+    layers = {"layer0": attention(SlidingWindowSpec, 16, sliding_window=2)}
     scheduler, request = build(
         tmp_path,
         layers,
         num_blocks=6,
         block_size=16,
         max_num_batched_tokens=16,
-        max_num_seqs=4,
         max_model_len=512,
-        async_scheduling=False,
-        prefix_caching=False,
         load_failure_policy="recompute",
     )
     tables = scheduler.kv_cache_manager.coordinator.single_type_managers

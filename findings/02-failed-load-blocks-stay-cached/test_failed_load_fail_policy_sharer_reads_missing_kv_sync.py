@@ -12,34 +12,23 @@ applied.
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-from kvcheck_utils import build, output
+from kvcheck_utils import attention, build, output
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_failed_load_fail_policy_sharer_reads_missing_kv_sync(tmp_path):
-    layers = {
-        "layer0": SlidingWindowSpec(
-            block_size=8,
-            num_kv_heads=1,
-            head_size=8,
-            dtype=torch.float32,
-            sliding_window=3,
-        ),
-    }
+    layers = {"layer0": attention(SlidingWindowSpec, 8, sliding_window=3)}
     scheduler, request = build(
         tmp_path,
         layers,
         num_blocks=8,
         block_size=8,
         max_num_batched_tokens=32,
-        max_num_seqs=4,
         max_model_len=64,
-        async_scheduling=False,
         prefix_caching=True,
         load_failure_policy="fail",
     )

@@ -15,32 +15,22 @@ Passes with these diffs applied in turn:
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import RSWASpec
 
-from kvcheck_utils import build, output
+from kvcheck_utils import attention, build, output
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_failed_load_recovery_misses_preempted_sharer(tmp_path):
-    layers = {
-        "layer0": RSWASpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=8,
-            dtype=torch.float32,
-            rswa_window=1,
-        ),
-    }
+    layers = {"layer0": attention(RSWASpec, 16, rswa_window=1)}
     scheduler, request = build(
         tmp_path,
         layers,
         num_blocks=12,
         block_size=16,
         max_num_batched_tokens=19,
-        max_num_seqs=4,
         max_model_len=176,
         async_scheduling=True,
         prefix_caching=True,

@@ -15,31 +15,24 @@ Passes with these diffs applied in turn:
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from kvcheck_utils import build, output
+from kvcheck_utils import attention, build, output
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_failed_load_shared_prefix_trusted(tmp_path):
-    layers = {
-        "layer0": FullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32
-        ),
-    }
+    layers = {"layer0": attention(FullAttentionSpec, 16)}
     scheduler, request = build(
         tmp_path,
         layers,
         num_blocks=11,
         block_size=16,
         max_num_batched_tokens=16,
-        max_num_seqs=4,
         max_model_len=160,
-        async_scheduling=False,
         prefix_caching=True,
         load_failure_policy="recompute",
     )

@@ -11,21 +11,16 @@ applied.
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
 
-from kvcheck_utils import build
+from kvcheck_utils import attention, build
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_sink_manager_crashes_at_startup(tmp_path):
-    layers = {
-        "layer0": SinkFullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32, sink_len=16
-        ),
-    }
+    layers = {"layer0": attention(SinkFullAttentionSpec, 16, sink_len=16)}
     try:
         build(
             tmp_path,
@@ -33,11 +28,8 @@ def test_sink_manager_crashes_at_startup(tmp_path):
             num_blocks=7,
             block_size=16,
             max_num_batched_tokens=16,
-            max_num_seqs=4,
             max_model_len=96,
             async_scheduling=True,
-            prefix_caching=False,
-            load_failure_policy=None,
         )
         error = None
     except TypeError as e:

@@ -25,7 +25,7 @@ def test_mamba_align_load_admits_one_block_short(tmp_path):
             shapes=((8,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
-        ),
+        )
     }
     scheduler, request = build(
         tmp_path,
@@ -33,7 +33,6 @@ def test_mamba_align_load_admits_one_block_short(tmp_path):
         num_blocks=6,
         block_size=8,
         max_num_batched_tokens=8,
-        max_num_seqs=4,
         max_model_len=256,
         async_scheduling=True,
         prefix_caching=True,

@@ -11,27 +11,18 @@ KVConnectorTransferResults.failed_recving instead.
 """
 
 import pytest
-import torch
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from kvcheck_utils import build, output
+from kvcheck_utils import attention, build, output
 
 pytestmark = pytest.mark.cpu_test
 
 
 def test_failed_load_hybrid_crashes_0_25_1(tmp_path):
     layers = {
-        "layer0": FullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32
-        ),
-        "layer1": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=8,
-            dtype=torch.float32,
-            sliding_window=4,
-        ),
+        "layer0": attention(FullAttentionSpec, 16),
+        "layer1": attention(SlidingWindowSpec, 16, sliding_window=4),
     }
     scheduler, request = build(
         tmp_path,
@@ -39,10 +30,8 @@ def test_failed_load_hybrid_crashes_0_25_1(tmp_path):
         num_blocks=24,
         block_size=16,
         max_num_batched_tokens=64,
-        max_num_seqs=4,
         max_model_len=128,
         async_scheduling=True,
-        prefix_caching=False,
         load_failure_policy="recompute",
     )
     scheduler.connector.offers["r0"] = 32

@@ -213,16 +213,18 @@ def resolve(spec: str) -> _Install:
     (:mod:`impl.vllm.overlay`), run as a checkout."""
     spec = spec.strip()
     release, plus, patch = spec.partition("+")
-    if plus and compat.parse_release(release) is not None:
+    checkout = bool(plus) and compat.parse_release(release) is None and "/" in release
+    if plus and (compat.parse_release(release) is not None or checkout):
         from .overlay import _stem, overlay_tree, series
 
-        problem = compat.release_problem(release)
+        problem = None if checkout else compat.release_problem(release)
         if problem:
             raise TargetError(problem)
         diffs = [Path(d).expanduser() for d in series(patch)]
         tree = overlay_tree(release, diffs)
         inst = resolve(str(tree))
-        inst.label = "+".join([release, *(_stem(d) + ".diff" for d in diffs)])
+        inst.label = "+".join([Path(release).name if checkout else release,
+                               *(_stem(d) + ".diff" for d in diffs)])
         return inst
     if compat.parse_release(spec) is not None:
         problem = compat.release_problem(spec)

@@ -111,36 +111,54 @@ def _identifier(name: str) -> str:
     return s if s and not s[0].isdigit() else f"t_{s}"
 
 
+HELPER = "kvcheck_replay.py"  # the replaying form's helpers, beside each test
+SPDX = ("# SPDX-License-Identifier: Apache-2.0\n"
+        "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n")
+
+
 def _docstring(trace: Trace, name: str) -> str:
     meta = trace.meta
-    lines = [*textwrap.wrap(f"{name}: a kvcheck trace replayed on vLLM's scheduler.", 88), ""]
+    lines = [*textwrap.wrap(f"{name}: a kvcheck trace replayed on vLLM's scheduler.", 76), ""]
     if "violation" in meta:
-        lines += textwrap.wrap(f"Shows on {meta.get('target', 'vllm@0.33.0')}: "
-                               f"{meta['violation']}", 88)
+        from .export_steps import _where
+
+        target = str(meta.get("target") or "vllm@0.33.0")
+        where, on = _where(target, target.partition("@")[2].partition("+")[0] or "0.33.0")
+        lines += textwrap.wrap(f"Found by kvcheck on {where}; replayed on {on}: "
+                               f"{meta['violation']}", 76, break_on_hyphens=False)
     if "fixed_by" in meta:
         from .export_steps import passes_with
 
-        lines += passes_with(meta["fixed_by"], 88)
-    lines += ["", *textwrap.wrap(f"Config: {trace.config.label()}", 88),
-              "Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace; needs",
-              "vLLM (0.33 line) and pytest only. Run: pytest THIS_FILE"]
-    # the harness's docstring past its first two paragraphs (about this exporter)
-    body = HARNESS.read_text().split('"""', 2)[1].split("\n\n", 2)[2].strip()
-    text = "\n".join(lines) + "\n\n" + body
+        lines += passes_with(meta["fixed_by"], 76)
+    lines += ["", *textwrap.wrap(f"Config: {trace.config.label()}", 76),
+              *textwrap.wrap("Written by `./kvcheck export TRACE --vllm-test OUT.py` from "
+                             "the trace; kvcheck_replay.Replay (beside it) replays the "
+                             "calls and asserts on vLLM's objects at every step (its "
+                             "docstring says what). Needs vLLM (0.33 line) and pytest "
+                             "only.", 76)]
+    text = "\n".join(lines)
     return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
 
 
+def replay_helper_source() -> str:
+    """``kvcheck_replay.py``: the harness, the same beside every test."""
+    return SPDX + HARNESS.read_text()
+
+
 def vllm_test_source(trace: Trace, name: str) -> str:
-    """The module text of ``trace`` as a vLLM-style test named ``name``."""
+    """The module text of ``trace`` as a vLLM-style test named ``name``,
+    replayed through :data:`HELPER`."""
     _check(trace)
     events = _events(trace)
-    harness = HARNESS.read_text().split('"""', 2)[2].lstrip("\n")
     cfg = trace.config.to_json()
     return (
-        f'"""{_docstring(trace, name)}\n"""\n\n{harness}\n\n'
-        f"CONFIG = {pprint.pformat(cfg, width=96, sort_dicts=False)}\n"
-        f"EVENTS = {pprint.pformat(events, width=90, compact=True)}\n\n\n"
+        f'{SPDX}"""{_docstring(trace, name)}\n"""\n\n'
+        "import pytest\n\nfrom kvcheck_replay import Replay, make_scheduler\n\n"
+        "pytestmark = pytest.mark.cpu_test\n\n"
+        f"CONFIG = {pprint.pformat(cfg, width=84, sort_dicts=False)}\n"
+        f"EVENTS = {pprint.pformat(events, width=84, compact=True)}\n\n\n"
         f"def test_{_identifier(name)}(tmp_path):\n"
         f"    sched, hasher = make_scheduler(CONFIG, tmp_path)\n"
-        f"    Replay(CONFIG, sched, hasher).run(EVENTS)\n"
+        f"    failure = Replay(CONFIG, sched, hasher).run(EVENTS)\n"
+        f"    assert failure is None, failure\n"
     )

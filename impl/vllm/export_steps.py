@@ -83,6 +83,15 @@ def _spec_code(spec: Any) -> str:
                 given = rest
         except TypeError:  # a field without a default
             continue
+    common = {"num_kv_heads": 1, "head_size": 8}
+    if ("block_size" in given and all(given.get(k) == v for k, v in common.items())
+            and "float32" in str(given.get("dtype"))):
+        # an attention layer as every one here is (kvcheck_utils.attention)
+        rest = {k: v for k, v in given.items()
+                if k not in ("block_size", "dtype", *common)}
+        parts = [type(spec).__name__, str(given["block_size"]),
+                 *(f"{k}={_value(v)}" for k, v in rest.items())]
+        return f"attention({', '.join(parts)})"
     parts = [f"{k}={_value(v)}" for k, v in given.items()]
     return f"{type(spec).__name__}({', '.join(parts)})"
 
@@ -358,44 +367,44 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
                         f"these calls, replayed on {on}: {found}")
     if meta.get("fixed_by"):
         doc += passes_with(meta["fixed_by"])
+    torch_used = any("torch." in ln for ln in spec_lines)
+    helpers = [f for f in ("attention", "build", "output", "propose")
+               if any(f"{f}(" in ln for ln in body + spec_lines) or f == "build"]
     head = [
         "# SPDX-License-Identifier: Apache-2.0",
         "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
         '"""' + doc[0], *doc[1:], '"""', "",
         "import pytest",
-        "import torch",
+        *(["import torch"] if torch_used else []),
         "",
         f"from vllm.v1.kv_cache_interface import {', '.join(classes)}",
         *(["from vllm.v1.request import RequestStatus"] if finishes else []),
         "",
-        "from kvcheck_utils import build"
-        + "".join(f", {f}" for f in ("output", "propose")
-                  if any(f"{f}(" in ln for ln in body)),
+        f"from kvcheck_utils import {', '.join(helpers)}",
         "",
         "pytestmark = pytest.mark.cpu_test",
         "",
         "",
         f"def test_{_identifier(name)}(tmp_path):",
-        "    layers = {",
-        *spec_lines,
-        "    }",
+        *(["    layers = {" + spec_lines[0].strip().rstrip(",") + "}"] if len(spec_lines) == 1
+          else ["    layers = {", *spec_lines, "    }"]),
     ]
-    call = [
-        "scheduler, request = build(",
-        f"    tmp_path, layers, num_blocks={cfg.num_blocks}, block_size={cfg.block_size},",
-        f"    max_num_batched_tokens={cfg.max_num_batched_tokens}, "
-        f"max_num_seqs={cfg.max_num_seqs},",
-        f"    max_model_len={cfg.max_model_len}, async_scheduling={async_},",
-        f"    prefix_caching={bool(cfg.prefix_caching)}, load_failure_policy={policy}"
-        + (', mamba_cache_mode="align"' if any(g.kind == "mamba" for g in cfg.groups)
-           else "") + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
-        + (f", prefix_match_unit={cfg.prefix_match_unit}" if cfg.prefix_match_unit else "")
-        + (f", num_speculative_tokens={cfg.spec_tokens}" if cfg.spec_tokens else "")
-
-        + ")",
-    ]
+    # build()'s arguments, those at its defaults left out (kvcheck_utils.build)
+    args = [f"num_blocks={cfg.num_blocks}", f"block_size={cfg.block_size}",
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens}",
+            f"max_model_len={cfg.max_model_len}"]
+    optional = [("max_num_seqs", cfg.max_num_seqs, 4), ("async_scheduling", async_, False),
+                ("prefix_caching", bool(cfg.prefix_caching), False),
+                ("load_failure_policy", policy, None),
+                ("mamba_cache_mode", '"align"' if any(g.kind == "mamba" for g in cfg.groups)
+                 else '"none"', '"none"'),
+                ("pipeline_parallel_size", pp, 1),
+                ("prefix_match_unit", cfg.prefix_match_unit or None, None),
+                ("num_speculative_tokens", cfg.spec_tokens, 0)]
+    args += [f"{k}={v}" for k, v, default in optional if v != default]
+    call = [f"scheduler, request = build(tmp_path, layers, {', '.join(args)})"]
     if build_raises:  # vLLM cannot build the scheduler of these layers
-        call[0] = "build("
+        call[0] = call[0].removeprefix("scheduler, request = ")
         call = ["try:", *(f"    {ln}" for ln in call), "    error = None",
                 f"except {build_raises} as e:", "    error = e"]
     head += [f"    {ln}" for ln in call]
@@ -468,12 +477,13 @@ def step_form(trace: Trace, name: str) -> tuple[str, str]:
 FORMS = ("auto", "steps", "replaying")
 
 
-def export(trace: Trace, name: str, form: str = "auto") -> tuple[str, str | None, str]:
-    """(test, its helpers or None, why the step form was not used or "").
-    ``form``: ``steps`` (vLLM's calls one by one, or ExportError), ``replaying``
-    (the trace replayed), ``auto``: the step form where it states the trace.
-    A step-form test asserts the fact at the step that breaks; where a fix
-    repairs the state in an earlier step than the one the assertion reads
+def export(trace: Trace, name: str, form: str = "auto") -> tuple[str, tuple[str, str], str]:
+    """(test, (its helper module's file name, its text), why the step form was
+    not used or ""). ``form``: ``steps`` (vLLM's calls one by one, beside
+    ``kvcheck_utils.py``, or ExportError), ``replaying`` (the trace replayed
+    by ``kvcheck_replay.py``), ``auto``: the step form where it states the
+    trace. A step-form test asserts the fact at the step that breaks; where a
+    fix repairs the state in an earlier step than the one the assertion reads
     (a failed load recomputed before a later step reads it), the replaying
     form, which checks every step, is the one that passes on the fix."""
     from impl.vllm import export as replaying
@@ -482,13 +492,14 @@ def export(trace: Trace, name: str, form: str = "auto") -> tuple[str, str | None
     if form != "replaying":
         try:
             text, utils = step_form(trace, name)
-            return text, utils, ""
+            return text, ("kvcheck_utils.py", utils), ""
         except ExportError as e:
             if form == "steps":
                 raise
             why = str(e)
     try:
-        return replaying.vllm_test_source(trace, name), None, why
+        return (formatted(replaying.vllm_test_source(trace, name)),
+                (replaying.HELPER, formatted(replaying.replay_helper_source())), why)
     except replaying.ExportError as e:
         raise ExportError(f"{why}; {e}") from None
 

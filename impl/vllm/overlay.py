@@ -55,7 +55,9 @@ def series(patches: str) -> list[str]:
 
 def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
     """The tree of ``release`` with ``diff`` applied, or a series of diffs in
-    turn (built on first use)."""
+    turn (built on first use). ``release`` may also be a checkout's folder
+    (holding ``vllm/``): its files then, run as that checkout is, over the
+    release of its line (a finding's fix tried on a pull request's tree)."""
     diffs = list(diff) if isinstance(diff, list | tuple) else [diff]
     if not diffs:
         raise Unsupported(f"vllm {release}+: no diff named")
@@ -72,13 +74,21 @@ def overlay_tree(release: str, diff: Path | list[Path]) -> Path:
         texts.append(text)
     # the links name the release's real folder, not a path through this
     # checkout (a tree outlives the checkout that built it)
-    base = compat.install_dir(release).resolve()
-    if not (base / "vllm" / "__init__.py").is_file():
-        raise Unsupported(f"vllm {release} is not installed; run: "
-                          f"{compat.install_command(release)}")
+    if compat.parse_release(release) is not None:
+        base = compat.install_dir(release).resolve()
+        if not (base / "vllm" / "__init__.py").is_file():
+            raise Unsupported(f"vllm {release} is not installed; run: "
+                              f"{compat.install_command(release)}")
+        name = release
+    else:
+        base = Path(release).expanduser().resolve()
+        base = base.parent if base.name == "vllm" else base
+        if not (base / "vllm" / "__init__.py").is_file():
+            raise Unsupported(f"{release}: no vllm/ package there")
+        name = "tree-" + hashlib.sha256(str(base).encode()).hexdigest()[:8]
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
     stems = "-".join(_stem(d) for d in diffs)[:100]
-    dest = compat.REPO / ".vllm" / "trees" / f"{release}-{stems}-{digest}"
+    dest = compat.REPO / ".vllm" / "trees" / f"{name}-{stems}-{digest}"
     if (dest / "vllm" / "__init__.py").exists():
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")

@@ -1,9 +1,9 @@
-"""The body of every module ``./kvcheck export TRACE --vllm-test OUT.py`` writes.
-
-The exporter (:mod:`impl.vllm.export`) writes this file's source after a
-docstring and before the trace's ``CONFIG`` / ``EVENTS`` and one test
-function: the exported module needs vLLM (0.33 line) and pytest, not kvcheck.
-It is never imported by kvcheck itself.
+"""``kvcheck_replay.py``: the helpers of the tests ``./kvcheck export`` writes in
+the replaying form (``--form replaying``, and what the step form does not
+state yet). Each such test holds a trace's ``CONFIG`` and ``EVENTS`` and runs
+them through :class:`Replay`; this module is written beside it, the same for
+every test, and needs vLLM (0.33 line) and pytest, not kvcheck. kvcheck
+writes it from ``impl/vllm/vllm_test_harness.py`` and never imports it.
 
 It builds the scheduler the way vLLM's own unit tests do (``VllmConfig`` of
 ``ModelConfig`` / ``SchedulerConfig`` / ``CacheConfig`` / ``KVTransferConfig``,
@@ -155,6 +155,9 @@ class OfferingTestConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
 
+KVConnectorFactory.register_connector(CONNECTOR, __name__, CONNECTOR)
+
+
 def _layer_spec(kind: str, param: int, cfg: dict, pad: bool) -> Any:
     common = dict(block_size=cfg["block_size"], num_kv_heads=1, head_size=8,
                   dtype=torch.float32)
@@ -207,8 +210,6 @@ def make_scheduler(cfg: dict, tmp: Path) -> tuple[Any, Any]:
             method="ngram_gpu", num_speculative_tokens=cfg["spec_tokens"],
             prompt_lookup_min=1, prompt_lookup_max=3)
     if cfg["hazard"] == "unordered":
-        if CONNECTOR not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(CONNECTOR, __name__, CONNECTOR)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector=CONNECTOR, kv_role="kv_consumer",
             kv_load_failure_policy=cfg.get("kv_load_failure_policy", "recompute"))
@@ -327,9 +328,16 @@ class Replay:
 
     # ------------------------------------------------------------ events
 
-    def run(self, events: list) -> None:
-        for ev in events:
-            getattr(self, "ev_" + ev[0])(*ev[1:])
+    def run(self, events: list) -> str | None:
+        """Replay ``events``; the first property that fails, said in a line
+        (None: every step held). A crash inside vLLM raises, with its own
+        traceback."""
+        try:
+            for ev in events:
+                getattr(self, "ev_" + ev[0])(*ev[1:])
+        except AssertionError as e:
+            return str(e)
+        return None
 
     def ev_add(self, rid: str, prompt: list, max_new: int, external: int) -> None:
         req = Request(request_id=rid, prompt_token_ids=list(prompt),
