@@ -155,9 +155,9 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
 class Probe:
     executed: dict[str, set[int]] = field(default_factory=dict)
     groups_hit: set[tuple] = field(default_factory=set)
-    kinds_read: set[str] = field(default_factory=set)  # marked by kinds_of_changes
     probes: int = 0
     seconds: float = 0.0
+    kinds_read: set[str] = field(default_factory=set)  # marked by kinds_of_changes
 
     def count(self) -> int:
         return sum(len(v) for v in self.executed.values())
