@@ -296,12 +296,14 @@ def run_fuzz(spec: FuzzSpec, examples: int, workers: int = 1, seed: int | None =
     os.unlink(stop_file)  # its existence is the request to stop
 
     closed = [False]  # the run is over: no thread may make the file again
+    closing = threading.Lock()  # a thread's check-and-make against the run's end
 
     def stop_others(i: int) -> None:
-        if closed[0]:
-            return
-        with contextlib.suppress(OSError):
-            open(stop_file, "x").close()
+        with closing:
+            if closed[0]:
+                return
+            with contextlib.suppress(OSError):
+                open(stop_file, "x").close()
 
     def one(i: int) -> None:
         try:
@@ -336,12 +338,15 @@ def run_fuzz(spec: FuzzSpec, examples: int, workers: int = 1, seed: int | None =
     except KeyboardInterrupt:
         from impl.worker import kill_all
 
+        with closing:
+            closed[0] = True  # the threads its workers' deaths wake make no file
         kill_all()
         raise
     finally:
-        closed[0] = True
-        with contextlib.suppress(OSError):
-            os.unlink(stop_file)
+        with closing:
+            closed[0] = True
+            with contextlib.suppress(OSError):
+                os.unlink(stop_file)
     if errors:
         raise errors[min(errors)]
     res = merge(spec, [done[i] for i in sorted(done)])
