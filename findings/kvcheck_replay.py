@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -510,9 +509,10 @@ class Replay:
             (c.src_block_id, c.dst_block_id)
             for c in getattr(out, "kv_cache_block_copies", None) or ()
         ]
-        if not out.total_num_scheduled_tokens:
-            return
         n, self.steps = self.steps, self.steps + 1
+        if not out.total_num_scheduled_tokens:  # queued too, as the engine does
+            self.pending.append(Step(n, out, {}))
+            return
         loads = (
             getattr(getattr(out, "kv_connector_metadata", None), "loads", None) or {}
         )
@@ -692,27 +692,25 @@ class Replay:
         return f"KV of another token prefix (written by step {held[1]} for {held[2]})"
 
     def _hold_for_engine(self, ev: tuple) -> bool:
-        """The engine preempts only inside schedule(), called while its batch
-        queue has room; at depth 1 it ends a request only between a step and
-        its output. Such an event waits for the next update_from_output."""
-        full = len(self.pending) >= self.cfg["depth"]
-        if full and (ev[0] == "preempt" or self.cfg["depth"] == 1):
+        """At depth 1 the engine ends a request only between a step and its
+        output: such an event waits for the next update_from_output."""
+        if self.cfg["depth"] == 1 and self.pending:
             self.queued.append(ev)
             return True
         return False
 
-    def ev_preempt(self, rid: str) -> None:
-        if not self._hold_for_engine(("preempt", rid)):
-            self._preempt(rid)
-
-    def _preempt(self, rid: str) -> None:
-        r = self.sched.requests.get(rid)
-        if r is None or r.status != RequestStatus.RUNNING:
-            return
-        self.sched.running.remove(r)
-        self.sched._preempt_request(
-            r, time.monotonic(), drop_stale_output=self.sched.requires_kv_delivery
+    def ev_reset(self) -> None:
+        """The engine's reset_prefix_cache(reset_running_requests=True),
+        taken between two steps of its loop; it raises where blocks are still
+        held, and the engine goes on."""
+        assert len(self.pending) < self.cfg["depth"], (
+            "a utility call with the queue full"
         )
+        try:
+            self.sched.reset_prefix_cache(reset_running_requests=True)
+        except RuntimeError as e:
+            if "Failed to reset KV cache" not in str(e):
+                raise
         self._forget_released()
 
     def ev_finish(self, rid: str) -> None:
@@ -766,13 +764,12 @@ class Replay:
         before = {rid: self.reqs[rid].num_output_tokens for rid in rids}
         queued, self.queued = self.queued, []
         for ev in queued:  # an abort or stop taken between the step and its output
-            if ev[0] != "preempt":
-                self._end(
-                    ev[1],
-                    RequestStatus.FINISHED_STOPPED
-                    if ev[0] == "finish"
-                    else RequestStatus.FINISHED_ABORTED,
-                )
+            self._end(
+                ev[1],
+                RequestStatus.FINISHED_STOPPED
+                if ev[0] == "finish"
+                else RequestStatus.FINISHED_ABORTED,
+            )
         self.sched.update_from_output(
             out,
             ModelRunnerOutput(
@@ -785,9 +782,6 @@ class Replay:
                 kv_connector_output=kv_out,
             ),
         )
-        for ev in queued:
-            if ev[0] == "preempt":
-                self._preempt(ev[1])
         for rid, k in step.failed.items():
             self._spoil(step, rid, k)
         for rid in rids:
@@ -1027,7 +1021,7 @@ class Replay:
         left. Every request must finish within ``2 * depth * (1 + N * T)``
         iterations (``N`` live requests of ``T`` prompt and output tokens in
         all), and ``schedule()`` must not schedule nothing more than ``depth``
-        times in a row with nothing in flight while requests wait."""
+        times in a row with only empty steps in flight while requests wait."""
         depth = self.cfg["depth"]
         live = lambda: [rid for rid, r in self.reqs.items() if not r.is_finished()]  # noqa: E731
         rids = live()
@@ -1036,19 +1030,20 @@ class Replay:
             * depth
             * (1 + len(rids) * sum(self.prompt_len[r] + self.max_new[r] for r in rids))
         )
-        idle = 0  # empty schedules in a row with nothing in flight
+        idle = 0  # empty schedules in a row with only empty steps in flight
         for _ in range(limit):
             if not live():
                 return
             if len(self.pending) < depth:
-                steps = self.steps
+                busy = any(st.parts for st in self.pending)
                 self.ev_schedule()
-                if self.steps > steps:
+                if self.pending[-1].parts:
                     idle = 0
                     continue
-                if not self.pending:
+                if not busy:
                     idle += 1
                     assert idle <= depth, self._stalled(idle, live())
+                if len(self.pending) < depth:
                     continue
             self.ev_process({})
         assert not live(), (

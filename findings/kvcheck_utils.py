@@ -271,3 +271,15 @@ def propose(scheduler, req_ids):
     scheduler.update_draft_token_ids(
         DraftTokenIds(list(req_ids), [[DRAFT_TOKEN] * k for _ in req_ids])
     )
+
+
+def reset_prefix_cache(scheduler):
+    """The engine's utility call (vLLM's ``/reset_prefix_cache`` endpoint with
+    ``reset_running_requests``): every running request is preempted, then the
+    cache is reset. It raises where blocks are still held (a step in flight);
+    the engine returns that error to the caller and goes on."""
+    try:
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+    except RuntimeError as e:
+        if "Failed to reset KV cache" not in str(e):
+            raise

@@ -180,6 +180,19 @@ def feature_rows(target: str, caps: Any) -> list[dict]:
     return rows
 
 
+def rare_first(rows: list[dict]) -> list[dict]:
+    """The rows whose witnesses are the rarest first (stable otherwise): those
+    with drafts (a rejection near a free, a Mamba checkpoint near one), the
+    deeper ones first. A row extends its share until it has reached its
+    witnesses, by at most what the gate has left (gate.rows); started early,
+    a slow row has that time, where at the end it would have none."""
+    def key(r: dict) -> tuple[int, int]:
+        k = r.get("knobs") or {}
+        return (0 if k.get("spec_tokens") else 1, -int(k.get("depth") or 0))
+
+    return sorted(rows, key=key)
+
+
 def narrow(rows: list[dict], patterns: list[str] | None = None,
            kinds: list[str] | None = None) -> list[dict]:
     """The rows whose id matches one of ``patterns`` (fnmatch; a pattern

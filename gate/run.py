@@ -20,7 +20,7 @@ from typing import Any
 from gate.attribution import fixed_by_change
 from gate.base import Changes, changed_lines, default_base, given_base
 from gate.known import known_findings
-from gate.matrix import feature_rows, gate_matrix, narrow, spec_of
+from gate.matrix import feature_rows, gate_matrix, narrow, rare_first, spec_of
 from gate.report import GateRun, markdown, provenance, summary, write_junit
 from gate.rows import exit_status, run_rows
 from report.output import fresh_run_dir, replace_file
@@ -120,6 +120,7 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
     everything = len(rows)
     rows = narrow(rows, o.rows, o.kinds)
     rows, left_out = _runnable(rows, target, base)
+    rows = rare_first(rows)
     notes += left_out
     if not rows:
         raise Unsupported(f"--rows {' '.join(o.rows) or '-'} --kind {' '.join(o.kinds) or '-'}: "

@@ -46,6 +46,15 @@ class Capabilities:
     ordered_only: dict[str, str] = field(default_factory=dict)
     # kinds the target runs at fewer steps in flight than max_depth: (depth, why)
     kind_max_depth: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # the engine's call that preempts one chosen request (a Preempt event), if
+    # it has one; None: preemption only inside schedule(), at an abort, at a
+    # ResetPrefixCache
+    preempt_call: str | None = None
+    # whether the target takes ResetPrefixCache
+    resets: bool = True
+    # its engine loop (model.streams.EngineState): "vllm" schedules only while
+    # it has requests and queues empty steps; "sglang" runs empty iterations
+    loop: str = "vllm"
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:

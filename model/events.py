@@ -80,7 +80,9 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One scheduler iteration; puts a step in flight (if anything is scheduled)."""
+    """One scheduler iteration; puts a step in flight. A step that schedules
+    nothing is in flight too: the engine queues its empty batch and takes its
+    (empty) output in turn (``EngineCore.step_with_batch_queue``)."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,29 @@ class Process:
 
 @dataclass(frozen=True)
 class Preempt:
-    """Preempt request ``id``: all its blocks go back, it recomputes later."""
+    """Preempt request ``id``: all its blocks go back, it recomputes later.
+
+    Only on a target whose engine has a call that preempts one chosen request
+    (``Capabilities.preempt_call``). vLLM has none: it preempts inside
+    ``schedule()`` under pool pressure, at an abort, or all running requests
+    at once (:class:`ResetPrefixCache`)."""
 
     id: str
+
+
+# why a Preempt does not run on a target without such a call (one line)
+NO_PREEMPT_CALL = ("vLLM has no call that preempts one chosen request: it preempts inside "
+                   "schedule() under pool pressure, at an abort, or every running request "
+                   "at reset_prefix_cache(reset_running_requests=True) (ResetPrefixCache)")
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """The engine's ``reset_prefix_cache(reset_running_requests=True)``
+    utility call (vLLM's ``/reset_prefix_cache`` endpoint): every running
+    request is preempted, the last admitted first, then the prefix cache is
+    emptied if no block is in use. The engine takes it between two of its
+    loop's steps: fewer than ``depth`` steps in flight."""
 
 
 @dataclass(frozen=True)
@@ -135,10 +157,12 @@ class Drain:
     property 7 (progress) judges that it ends (properties/drain.py)."""
 
 
-Event = AddRequest | Schedule | Process | Preempt | FailLoad | Finish | Abort | Drain
+Event = (AddRequest | Schedule | Process | Preempt | ResetPrefixCache | FailLoad | Finish
+         | Abort | Drain)
 EVENT_TYPES: dict[str, type] = {
     c.__name__: c
-    for c in (AddRequest, Schedule, Process, Preempt, FailLoad, Finish, Abort, Drain)
+    for c in (AddRequest, Schedule, Process, Preempt, ResetPrefixCache, FailLoad, Finish,
+              Abort, Drain)
 }
 
 

@@ -3,10 +3,15 @@ random driver of them.
 
 :class:`EngineState` reads observations only and says which events are valid
 in the engine's order (docs/DESIGN.md, events): a ``Schedule`` while fewer than
-``depth`` steps are in flight, a ``Process`` of the oldest step naming only
-its own drafts, an ``AddRequest`` of a new id that fits ``max_model_len``, a
-``Preempt`` of a running request holding blocks, a ``FailLoad`` of a block
-a step in flight loads, a ``Finish``/``Abort`` of a live request. A target
+``depth`` steps are in flight (an empty one counts: the engine queues its
+empty batch) and the scheduler has requests (a live one, or one ended since
+the last ``Schedule``, whose end the next step tells the workers), a
+``Process`` of the oldest step naming only its own drafts, an ``AddRequest``
+of a new id that fits ``max_model_len``, a ``Preempt`` of a running request
+holding blocks (where the target has such a call), a ``ResetPrefixCache``
+between two steps of the loop (fewer than ``depth`` in flight), a
+``FailLoad`` of a block a step in flight loads, a ``Finish``/``Abort`` of a
+live request. A target
 adds its own refusals (``Target.can_apply``: what its engine cannot take);
 the reference's own guard refuses on ``apply`` as an engine asserts.
 
@@ -35,6 +40,7 @@ from model.events import (
     Finish,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     Trace,
 )
@@ -44,23 +50,30 @@ from model.observations import Observed, ProcessObs, ReqStep, StepObs
 class EngineState:
     """What an engine can take next, mirrored from its observations."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, loop: str = "vllm") -> None:
         self.cfg = cfg
+        # "vllm": the engine calls schedule() only while it has requests, and
+        # queues an empty step; "sglang": its loop runs an empty iteration too
+        self.loop = loop
         self.pending: deque[StepObs] = deque()  # unprocessed steps, oldest first
         self.status: dict[str, str] = {}  # every request seen: its last status
         self.holding: dict[str, int] = {}  # live blocks of each listed request
         self.computed: dict[str, int] = {}  # num_computed_tokens of each listed request
         self.scheduled = 0  # steps scheduled so far
+        self.ended_since_schedule = False  # a request ended since the last step
 
     def observe(self, obs: Observed) -> None:
         for it in obs.items:
             if type(it) is StepObs:
                 self.pending.append(it)
                 self.scheduled += 1
+                self.ended_since_schedule = False
             elif type(it) is ProcessObs:
                 self.pending.popleft()
         if obs.counters is not None:
             for rid, rc in obs.counters.reqs.items():
+                if rc.status == "finished" and self.status.get(rid, "finished") != "finished":
+                    self.ended_since_schedule = True
                 self.status[rid] = rc.status
                 self.holding[rid] = sum(rc.live)
                 self.computed[rid] = rc.computed
@@ -68,6 +81,15 @@ class EngineState:
     def live(self) -> list[str]:
         """Requests added and not finished, in order of arrival."""
         return [r for r, s in self.status.items() if s != "finished"]
+
+    def has_requests(self) -> bool:
+        """vLLM's ``Scheduler.has_requests()``: the engine calls ``schedule()``
+        only then (a live request, or an ended one not yet told to the workers)."""
+        return self.ended_since_schedule or any(s != "finished" for s in self.status.values())
+
+    def busy(self) -> bool:
+        """Whether a step in flight schedules anything (not only empty ones)."""
+        return any(s.reqs for s in self.pending)
 
     def loading(self) -> list[ReqStep]:
         """The in-flight steps' shares that load external tokens."""
@@ -77,9 +99,11 @@ class EngineState:
         """Why ``ev`` is not valid now, or None."""
         cfg = self.cfg
         t = type(ev)
-        if t is Schedule:
+        if t is Schedule or t is ResetPrefixCache:
             if len(self.pending) >= cfg.depth:
                 return f"{len(self.pending)} steps in flight already (depth {cfg.depth})"
+            if t is Schedule and self.loop == "vllm" and not self.has_requests():
+                return "no request to schedule (the engine does not call schedule())"
             return None
         if t is Process:
             if not self.pending:
@@ -128,7 +152,8 @@ class Driver:
     (a long stream checked as it is made: ``on_apply(event, observations)``
     sees each)."""
 
-    WEIGHTS = {"add": 3, "schedule": 7, "process": 6, "preempt": 1, "fail": 1, "end": 2}
+    WEIGHTS = {"add": 3, "schedule": 7, "process": 6, "preempt": 1, "reset": 1, "fail": 1,
+               "end": 2}
 
     def __init__(self, cfg: Config, targets: list[Any], rng: random.Random | int = 0, *,
                  max_requests: int = 8, prompt: int | None = None, new: int | None = None,
@@ -207,6 +232,8 @@ class Driver:
             rid = rng.choice(live)
             out.append(("preempt", Preempt(rid)))
             out.append(("end", (Finish if rng.random() < 0.5 else Abort)(rid)))
+            if rng.random() < 0.1:  # rarer than any other kind: it preempts every request
+                out.append(("reset", ResetPrefixCache()))
         return out
 
     def step(self) -> Event | None:
@@ -238,18 +265,23 @@ class Driver:
 
     def tick(self, draw: bool = True) -> bool:
         """The engine's loop, one event: a Schedule while fewer than
-        ``depth`` steps are in flight and it schedules something, else a
+        ``depth`` steps are in flight and the scheduler has requests, else a
         Process of the oldest step (each request's accepted drafts drawn;
         every draft accepted unless ``draw``). False: nothing scheduled and
-        nothing in flight."""
-        if len(self.state.pending) < self.cfg.depth:
-            before = len(self.state.pending)
+        nothing in flight (the empty step is processed first)."""
+        st = self.state
+        if len(st.pending) < self.cfg.depth and st.has_requests():
+            busy = st.busy()
             self.apply(Schedule())
-            if len(self.state.pending) > before:
-                return True
-            if not self.state.pending:
+            if st.pending[-1].reqs or (busy and len(st.pending) < self.cfg.depth):
+                return True  # the engine schedules again while the queue has room
+            if not busy:
+                while st.pending:
+                    self.apply(Process())
                 return False
-        self.apply(Process(self._accepted(self.state.pending[0], every=True) if draw else {}))
+        if not st.pending:
+            return False
+        self.apply(Process(self._accepted(st.pending[0], every=True) if draw else {}))
         return True
 
     def settle(self, draw: bool = False) -> None:

@@ -65,24 +65,26 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
     if not all(fits_alone(cfg, reqs[r], counters, len(checker.reserved)) for r in rids):
         return None
     limit = drain_limit(cfg, reqs, rids)
-    idle = 0  # empty schedules in a row with nothing in flight
+    idle = 0  # empty schedules in a row with only empty steps in flight
     for _ in range(limit):
         if not checker.live_requests():
             checker.witness["drained"] += 1
             return None
         if checker.in_flight_steps() < cfg.depth:
+            busy = checker.busy_steps()
             obs = apply(Schedule())
-            if any(isinstance(it, StepObs) for it in obs.items):
+            if any(isinstance(it, StepObs) and it.reqs for it in obs.items):
                 idle = 0
                 continue  # the engine schedules again while the queue has room
-            if not checker.in_flight_steps():
+            if not busy:
                 idle += 1
                 if idle > cfg.depth:  # pipeline parallelism staggers decodes, no more
                     return Violation(7, f"nothing is in flight and schedule() scheduled "
                                         f"nothing {idle} times in a row, while "
                                         f"{', '.join(live())} have not finished",
                                      event_index=event_index)
-                continue
+            if checker.in_flight_steps() < cfg.depth:
+                continue  # the engine queues the empty step and schedules again
         apply(Process())
     if not live():
         checker.witness["drained"] += 1

@@ -559,7 +559,12 @@ class Checker:
             self._deferring.discard(rid)
 
     def in_flight_steps(self) -> int:
+        """Steps in flight, the empty ones (nothing scheduled) included."""
         return len(self.pending)
+
+    def busy_steps(self) -> int:
+        """Steps in flight that schedule anything."""
+        return sum(1 for step in self.pending if step)
 
     def live_requests(self) -> int:
         """How many requests the counters so far name and none has listed finished."""

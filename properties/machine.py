@@ -59,11 +59,13 @@ from model.events import (
     Group,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     Trace,
 )
 from model.kinds import KINDS, Kind
 from model.observations import LiveCounters, Observed
+from model.streams import EngineState
 from model.tokens import MAX_VARIANT
 from model.windows import startup_blocks
 from properties.invariants import Checker, Violation, expected_witnesses
@@ -379,6 +381,7 @@ class KVMachine(RuleBasedStateMachine):
             self.crash = crash
             raise crash from e
         cls.stats.events[type(ev).__name__] += 1
+        self.engine.observe(obs)
         if obs.counters is not None:
             self.counters = obs.counters
             self.live_counters.update(obs.counters)
@@ -472,6 +475,8 @@ class KVMachine(RuleBasedStateMachine):
             reject()
         cls.stats.layouts["+".join("draft" if g.draft else g.kind for g in cfg.groups)] += 1
         self.checker.feed(None, obs)
+        self.engine = EngineState(cfg, loop=cls.target.capabilities.loop)
+        self.engine.observe(obs)
         self.counters = obs.counters
         self.live_counters = LiveCounters()
         self.live_counters.update(obs.counters)
@@ -506,12 +511,26 @@ class KVMachine(RuleBasedStateMachine):
         self._apply(AddRequest(rid, prompt, new, ext, variant))
         return RequestRef(rid, self)
 
+    def _may_schedule(self) -> bool:
+        """vLLM's engine calls schedule() only while the scheduler has
+        requests (an ended one not yet told to the workers included); SGLang's
+        loop runs an empty iteration, which lets it take the last result."""
+        if self.engine.loop == "vllm":
+            return self.engine.has_requests()
+        return bool(self._live()) or len(self.added) >= MAX_ADDED
+
     @precondition(lambda self: self.cfg is not None
-                  and self.checker.in_flight_steps() < self.cfg.depth
-                  and (self._live() or len(self.added) >= MAX_ADDED))
+                  and self.checker.in_flight_steps() < self.cfg.depth and self._may_schedule())
     @rule()
     def schedule(self) -> None:
         self._apply(Schedule())
+
+    @precondition(lambda self: self.cfg is not None and len(self.added) >= MAX_ADDED
+                  and not self.checker.in_flight_steps() and not self._may_schedule())
+    @rule()
+    def idle(self) -> None:
+        """Every request added has ended and nothing is in flight: the engine
+        waits for input (no event; the example has nothing left to do)."""
 
     @precondition(lambda self: self.checker is not None and self.checker.in_flight_steps() > 0)
     @rule(data=st.data())
@@ -536,9 +555,20 @@ class KVMachine(RuleBasedStateMachine):
             self._memo["holding"] = held
         return held
 
-    # vLLM's engine preempts inside schedule(), which it calls only while its
-    # batch queue has room: never with depth steps in flight
+    # Preemption as the engine preempts: inside schedule() under pool pressure
+    # (the pools drawn are small), at an abort, and at the utility call that
+    # preempts every running request, taken between two steps of the loop
+    # (fewer than depth in flight). A Preempt of one chosen request only where
+    # the target's engine has such a call (Capabilities.preempt_call).
     @precondition(lambda self: self.checker is not None
+                  and type(self).target.capabilities.resets
+                  and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self._apply(ResetPrefixCache())
+
+    @precondition(lambda self: self.checker is not None
+                  and type(self).target.capabilities.preempt_call is not None
                   and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
     @rule(req=requests.filter(lambda r: r.rid in r.machine._holding()))
     def preempt(self, req: RequestRef) -> None:

@@ -395,6 +395,9 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
         if step is not None:
             for it in row.obs.items:
                 if isinstance(it, StepObs):
+                    if not it.reqs:
+                        notes.append(f"step {it.step}: nothing scheduled (the engine queues "
+                                     f"the empty step)")
                     for rs in it.reqs:
                         spec = f", {rs.spec} draft" if rs.spec else ""
                         load = (f", loads [{rs.start - rs.loaded}, {rs.start})"

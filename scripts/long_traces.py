@@ -151,19 +151,20 @@ def burst(n: int, *, concurrency: int = 8, prompt_len: int = 40, max_new: int = 
         t.apply(ev)
     s = t._s
     assert s is not None
-    scheduled = True
+    idle = 0  # empty steps in a row with nothing else in flight
     while s.requests or s.steps:
-        if len(s.steps) < depth and (scheduled or not s.steps):
-            before = s.num_scheduled
+        if len(s.steps) < depth and s.has_requests():
+            busy = any(st.entries for st in s.steps)
             t.apply(Schedule())
             events.append(Schedule())
-            scheduled = s.num_scheduled > before
-            if not scheduled and not s.steps:
+            idle = 0 if busy or s.steps[-1].entries else idle + 1
+            if idle > depth:
                 raise RuntimeError("the pool admits nothing: nothing in flight, nothing scheduled")
             continue
+        if not s.steps:
+            break
         t.apply(Process({}))
         events.append(Process({}))
-        scheduled = True
     return Trace(cfg, events, {"generator": f"scripts/long_traces.py burst {n}"})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -28,6 +29,7 @@ from model.events import (
     Group,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     Trace,
     TraceError,
@@ -402,34 +404,55 @@ def test_preemption_under_pool_pressure():
     assert obs[-1].counters.free_blocks == cfg.num_blocks - 1
 
 
-def test_preempt_event_discards_in_flight_output_and_resumes():
+def test_a_reset_preempts_every_running_request_and_drops_their_output():
+    """vLLM's reset_prefix_cache(reset_running_requests=True): the running
+    request is preempted, its in-flight output dropped, so it may resume in
+    the next step while the old steps still run."""
     cfg = config_for("sliding", window=8, block_size=4, depth=3, policy="settled",
                      max_num_batched_tokens=8)
-    evs = [AddRequest("a", 20, 4), Schedule(), Schedule(), Preempt("a"), Schedule()]
+    evs = [AddRequest("a", 20, 4), Schedule(), Schedule(), ResetPrefixCache(), Schedule()]
     t, obs = run(cfg, evs)
-    assert all(f.reason == "preempt" for f in obs[4].items)
+    assert obs[4].items and all(f.reason == "preempt" for f in obs[4].items)
     assert obs[4].counters.reqs["a"] == obs[4].counters.reqs["a"].__class__(
         0, 0, (0,), "preempted")
-    assert obs[5].items == []  # held back while its discarded steps run
+    (resumed,) = obs[5].items[-1].reqs
+    assert resumed.start == 0 and obs[5].counters.reqs["a"].status == "running"
+    assert [t.apply(Process()).items[0].discarded for _ in range(2)] == [("a",), ("a",)]
     o = t.apply(Process())
-    assert o.items[0].discarded == ("a",)
-    t.apply(Process())
-    o = t.apply(Schedule())
-    assert o.items[-1].reqs[0].start == 0 and o.counters.reqs["a"].status == "running"
+    assert o.items[0].discarded == () and "a" in dict(o.items[0].accepted)  # counts
 
 
-def test_preempt_with_the_batch_queue_full_waits_for_the_next_output():
-    """vLLM's engine preempts inside schedule(), which it calls only while its
-    batch queue has room: with depth steps in flight the preemption comes
-    right after the oldest output."""
+def test_a_reset_waits_for_room_in_the_batch_queue():
+    """The engine takes a utility call between two steps of its loop: never
+    with depth steps in flight (its loop takes the oldest output first)."""
     cfg = config_for("sliding", window=8, block_size=4, depth=2, policy="settled",
                      max_num_batched_tokens=8)
-    t, obs = run(cfg, [AddRequest("a", 20, 4), Schedule(), Schedule(), Preempt("a")])
-    assert obs[-1].items == [] and obs[-1].counters.reqs["a"].status == "running"
-    o = t.apply(Process())
-    assert isinstance(o.items[0], ProcessObs) and o.items[0].discarded == ()
+    t, obs = run(cfg, [AddRequest("a", 20, 4), Schedule(), Schedule()])
+    assert not t.can_apply(ResetPrefixCache())
+    t.apply(Process())
+    o = t.apply(ResetPrefixCache())
     assert {f.reason for f in items([o], FreeObs)} == {"preempt"}
     assert o.counters.reqs["a"].status == "preempted"
+
+
+def test_a_step_that_schedules_nothing_is_queued():
+    """The engine queues an empty batch like any other: it takes a slot of
+    the batch queue until its (empty) output is processed, and the engine
+    calls schedule() only while it has requests (an ended one not yet told
+    to the workers included)."""
+    cfg = config_for("full", block_size=16, depth=2, max_num_batched_tokens=16)
+    # a's one output token is in flight after the first step: nothing to schedule
+    t, obs = run(cfg, [AddRequest("a", 16, 1), Schedule(), Schedule()])
+    (empty,) = items(obs[-1:], StepObs)
+    assert empty.step == 1 and empty.reqs == ()
+    assert not t.can_apply(Schedule())  # two steps in flight, one of them empty
+    t.apply(Process())  # a's output: it finishes
+    (po,) = items([t.apply(Process())], ProcessObs)
+    assert (po.step, po.accepted, po.discarded) == (1, (), ())
+    assert t.can_apply(Schedule())  # once more: the workers learn that a ended
+    t.apply(Schedule())
+    t.apply(Process())
+    assert not t.can_apply(Schedule())
 
 
 def test_failed_load_recomputes_from_the_first_bad_block():
@@ -503,7 +526,7 @@ def test_invalid_events_are_refused():
     assert not t.can_apply(AddRequest("a", 500, 100))
     t.apply(AddRequest("a", 30, 5))
     assert not t.can_apply(AddRequest("a", 30, 5))
-    assert not t.can_apply(Preempt("a"))  # waiting: holds nothing
+    assert not t.can_apply(Preempt("a"))  # no vLLM call preempts one request
     assert not t.can_apply(FailLoad("a", 0))
     t.apply(Schedule())
     assert not t.can_apply(Schedule())  # depth 1
@@ -554,11 +577,15 @@ def test_a_preempted_requests_output_that_read_a_failed_load_is_dropped():
 
     cfg = config_for("full", block_size=16, num_blocks=6, max_num_batched_tokens=16,
                      depth=2, hazard="ordered", prefix_caching=True)
-    events = [AddRequest("r1", 16, 1, 1), AddRequest("r2", 17, 1), Schedule(),
-              Preempt("r2"), FailLoad("r1", 0), Process()]
+    cfg = replace(cfg, num_blocks=3)
+    # the second step preempts r2 under pool pressure: r1's decode needs a block
+    events = [AddRequest("r1", 16, 2, 1), AddRequest("r2", 17, 1), Schedule(),
+              Schedule(), FailLoad("r1", 0), Process()]
     rr = replay(Trace(cfg, events), "reference")
     (step,) = [it for it in rr.rows[2].obs.items if isinstance(it, StepObs)]
     assert [(rs.rid, rs.start) for rs in step.reqs] == [("r1", 1), ("r2", 16)]
+    assert {(f.rid, f.reason) for f in rr.rows[3].obs.items
+            if isinstance(f, FreeObs)} == {("r2", "preempt")}
     assert rr.first is None, rr.first
     (po,) = [it for it in rr.rows[5].obs.items if isinstance(it, ProcessObs)]
     assert "r2" in po.discarded and "r2" not in dict(po.accepted)
@@ -582,7 +609,7 @@ def test_ring_and_cross_hold_their_blocks_until_the_request_ends(kind, held):
     assert steps[-1].reqs[0].start > 48
     assert all(s.reqs[0].tables[1] == first for s in steps)
     assert not [f for f in items(obs, FreeObs) if f.group == 1]
-    end = [t.apply(Process()), t.apply(Preempt("r0")), t.apply(Schedule())]
+    end = [t.apply(Process()), t.apply(ResetPrefixCache()), t.apply(Schedule())]
     assert sorted(f.block for f in items(end, FreeObs) if f.group == 1) == sorted(first)
     again = [s for s in items(end, StepObs)][-1].reqs[0]
     assert again.start == 0 and len(again.tables[1]) == held

@@ -22,6 +22,7 @@ from model.events import (
     Group,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     Trace,
     config_for,
@@ -141,10 +142,13 @@ def test_failed_load_recomputes_from_the_bad_block():
     assert again.tables == rs.tables
 
 
-def test_preempt_frees_everything_and_resumes_after_stale_output():
+def test_a_reset_frees_everything_and_resumes_at_once_dropping_the_stale_output():
+    """reset_prefix_cache(reset_running_requests=True) preempts the running
+    request with its in-flight output dropped (drop_stale_output): it may
+    resume in the next step while the old one still runs."""
     cfg = config_for("sliding", window=16, block_size=16, depth=2,
                      max_num_batched_tokens=128)
-    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), Schedule(), Preempt("r0")])
+    obs = run(FIXED, cfg, [AddRequest("r0", 40, 8), Schedule(), ResetPrefixCache()])
     table = step_of(obs[1]).reqs[0].tables[0]
     freed = items(obs[2], FreeObs)
     assert sorted(f.block for f in freed) == sorted(b for b in table if b != NULL)
@@ -153,36 +157,54 @@ def test_preempt_frees_everything_and_resumes_after_stale_output():
     assert (rc.computed, rc.status, rc.live) == (0, "preempted", (0,))
     assert rc.in_flight == 40  # vLLM keeps counting the stale in-flight step
     t = target(FIXED)
-    assert not items(t.apply(Schedule()), StepObs)  # waits for the stale output
-    t.apply(Process())
     resumed = step_of(t.apply(Schedule())).reqs[0]
     assert resumed.start == 0 and resumed.end >= 40
+    (p,) = items(t.apply(Process()), ProcessObs)
+    assert p.discarded == ("r0",)  # the stale output is dropped
 
 
 @pytest.mark.parametrize("version", [BUGGY, FIXED])
-def test_preempt_with_the_batch_queue_full_waits_for_the_next_output(version):
-    """vLLM preempts inside schedule(), which its engine calls only while the
-    batch queue has room: a Preempt with depth steps in flight is held until
-    the oldest output is processed, and applied right after it."""
+def test_a_reset_waits_for_room_in_the_batch_queue(version):
+    """The engine takes a utility call between two steps of its loop, never
+    with depth steps in flight; then every running request is preempted."""
     cfg = config_for("sliding", window=16, block_size=16, depth=2,
                      max_num_batched_tokens=32)
-    obs = run(version, cfg, [AddRequest("r0", 40, 8), Schedule(), Schedule(), Preempt("r0")])
-    assert obs[3].items == []
-    assert obs[3].counters.reqs["r0"].status == "running"
-    done = target(version).apply(Process())
-    kinds = [type(it).__name__ for it in done.items]
-    assert kinds[0] == "ProcessObs" and "FreeObs" in kinds
+    run(version, cfg, [AddRequest("r0", 40, 8), Schedule(), Schedule()])
+    t = target(version)
+    assert not t.can_apply(ResetPrefixCache())
+    t.apply(Process())
+    done = t.apply(ResetPrefixCache())
     assert {f.reason for f in items(done, FreeObs)} == {"preempt"}
     assert done.counters.reqs["r0"].status == "preempted"
+
+
+def test_an_empty_step_takes_a_slot_of_the_batch_queue():
+    """The engine queues a step that schedules nothing like any other, and
+    calls schedule() only while it has requests."""
+    cfg = config_for("full", block_size=16, depth=2, max_num_batched_tokens=16)
+    # r0's one output token is in flight after the first step: nothing to schedule
+    obs = run(FIXED, cfg, [AddRequest("r0", 16, 1), Schedule(), Schedule()])
+    empty = step_of(obs[2])
+    assert empty.reqs == () and empty.step == step_of(obs[1]).step + 1
+    t = target(FIXED)
+    assert not t.can_apply(Schedule())
+    t.apply(Process())  # r0's output: it finishes
+    (p,) = items(t.apply(Process()), ProcessObs)
+    assert p.step == empty.step and p.accepted == () and p.discarded == ()
+    t.apply(Schedule())  # once more: the workers learn that r0 ended
+    t.apply(Process())
+    assert not t.can_apply(Schedule())
 
 
 def test_blocks_in_the_deferred_free_queue_belong_to_no_live_request():
     """With a KV consumer at depth 2 a preempted request's blocks wait in vLLM's
     deferred-free queue; 0.25.1 re-admits it at once with new blocks. Its live
-    count is the new table only (the old blocks are nobody's)."""
+    count is the new table only (the old blocks are nobody's). The reset
+    itself raises (its blocks are still held), and the engine goes on."""
     cfg = config_for("hybrid", window=1, block_size=4, num_blocks=20, depth=2,
                      hazard="unordered", max_num_batched_tokens=16, max_model_len=32)
-    obs = run(BUGGY, cfg, [AddRequest("r0", 9, 4), Schedule(), Preempt("r0"), Schedule()])
+    obs = run(BUGGY, cfg, [AddRequest("r0", 9, 4), Schedule(), ResetPrefixCache(),
+                           Schedule()])
     assert not items(obs[2], FreeObs)  # deferred behind step 0
     assert obs[2].counters.reqs["r0"].live == (0, 0)
     again = step_of(obs[3]).reqs[0]
@@ -192,6 +214,15 @@ def test_blocks_in_the_deferred_free_queue_belong_to_no_live_request():
     done = target(BUGGY).apply(Process())
     assert {f.reason for f in items(done, FreeObs)} == {"preempt"}
     assert done.counters.reqs["r0"].live == obs[3].counters.reqs["r0"].live
+
+
+def test_no_vllm_call_preempts_one_chosen_request():
+    cfg = config_for("full", block_size=16, depth=2)
+    run(FIXED, cfg, [AddRequest("r0", 20, 4), Schedule()])
+    t = target(FIXED)
+    assert not t.can_apply(Preempt("r0"))
+    with pytest.raises(Unsupported, match="no call that preempts one chosen request"):
+        t.apply(Preempt("r0"))
 
 
 @pytest.mark.parametrize("hazard", ["ordered", "unordered"])
@@ -227,9 +258,9 @@ def test_depth_1_holds_ends_until_the_step_ran():
     after the step, right before processing the output."""
     cfg = config_for("full", block_size=16, depth=1, hazard="unordered")
     t = target(FIXED)
-    obs = run(FIXED, cfg, [AddRequest("r0", 20, 4), Schedule(), Abort("r0"), Preempt("r0")])
-    assert obs[2].items == [] and obs[3].items == []
-    assert obs[3].counters.reqs["r0"].status == "running"
+    obs = run(FIXED, cfg, [AddRequest("r0", 20, 4), Schedule(), Abort("r0")])
+    assert obs[2].items == []
+    assert obs[2].counters.reqs["r0"].status == "running"
     done = t.apply(Process())
     kinds = [type(it).__name__ for it in done.items]
     assert kinds[0] == "ProcessObs" and kinds[1] == "FinishObs"

@@ -5,8 +5,8 @@ replayed on vLLM's scheduler.
 
 Found by kvcheck on vllm@0.33.0 with
 findings/fixes/failed-load-recovery-hybrid.diff applied; replayed on that
-tree: property 2 (null-read): step 9 (scheduled) computes r1 positions [6,
-8); position 6 reads [5, 6] (mamba) but block 7 (logical 1) holds no valid
+tree: property 2 (null-read): step 8 (scheduled) computes r1 positions [6,
+8); position 6 reads [5, 6] (mamba) but block 23 (logical 1) holds no valid
 KV for positions [5, 6): a connector load into it failed and nothing
 computed them again
 Passes with findings/08-failed-load-hybrid-ends-engine/fix.diff applied.
@@ -53,7 +53,7 @@ EVENTS = [
     ("schedule",),
     ("fail_load", "r1", 0),
     ("process", {}),
-    ("preempt", "r2"),
+    ("reset",),
     ("schedule",),
     ("process", {}),
     ("process", {}),
@@ -96,8 +96,7 @@ EVENTS = [
         1,
         4,
     ),
-    ("preempt", "r1"),
-    ("preempt", "r0"),
+    ("reset",),
     ("schedule",),
     ("finish", "r4"),
     ("process", {}),

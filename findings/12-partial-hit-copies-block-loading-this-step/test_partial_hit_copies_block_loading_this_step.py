@@ -42,7 +42,7 @@ CONFIG = {
 EVENTS = [
     ("add", "r0", [17, 7936, 15855, 23774, 31693], 1, 0),
     ("schedule",),
-    ("preempt", "r0"),
+    ("abort", "r0"),
     (
         "add",
         "r1",

@@ -188,6 +188,19 @@ class BlockPool:
         self._evict(src)
         self.cache_block(dst, k)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``BlockPool.reset_prefix_cache``: with every block free (the
+        kind-reserved ones count as used), forget every key; the free queue
+        keeps its order. False (nothing changed) otherwise."""
+        if self.reserved or self.num_free != self.num_blocks - 1:
+            return False
+        for b in self._lru:
+            self.key[b] = None
+        self._head.extend(self._lru)
+        self._lru.clear()
+        self.cached.clear()
+        return True
+
     def uncache(self, blocks: list[int]) -> None:
         """Forget the prefix-cache keys of ``blocks`` (their contents are bad)."""
         for b in blocks:

@@ -40,10 +40,11 @@ admitted only if its whole known sequence fits (each window kind capped as
 vLLM caps it), and a new one-token decode is padded to ``1 + spec_tokens``
 when no prefill shares the step (vLLM 0.33's uniform decode batch).
 
-A Preempt that arrives while ``depth`` steps are in flight is held until the
-next output (vLLM preempts only inside ``schedule()``, which its engine calls
-only while the batch queue has room); at depth 1 a Finish or Abort arriving
-while the step runs is held likewise (see ``hold``).
+Preemption happens where vLLM's engine preempts: inside ``schedule()`` under
+pool pressure, and at ``reset_prefix_cache`` (every running request, taken
+between two steps of the loop). At depth 1 a Finish or Abort arriving while
+the step runs is held until its output (see ``hold``). A step that schedules
+nothing is queued like any other (the engine queues its empty batch).
 
 Request-level frees (finish, abort, preempt, failed load) under
 ``hazard = unordered`` (a KV-consumer connector may write a block as soon as
@@ -117,7 +118,7 @@ class Entry:
         self.loaded = loaded
         self.tables = tables
         self.shift = 0  # positions rolled back by rejections in earlier steps
-        self.discarded: str | None = None  # "dropped" or "stale" (preempted)
+        self.discarded: str | None = None  # "dropped", "stale" (preempted), "reset"
         self.fail: int | None = None  # first bad block of a failed load
         self.samples = False  # reaches the known tokens: its output is a sampled token
         self.spoiled = False  # read blocks a failed load left without KV: output dropped
@@ -149,6 +150,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # arrival order; preempted ones go to the front
         self.steps: deque[Step] = deque()  # unprocessed, oldest first
         self.num_scheduled = 0
+        self.last_busy = -1  # the latest step that scheduled anything
+        self.ended_since_step = False  # a request ended since the last schedule()
         self.num_processed = 0
         self.iteration = 0  # schedule() calls, those that scheduled nothing included
         self.deferred: list[tuple[int, str, list[Held], str]] = []  # (fence step, rid, blocks, why)
@@ -185,6 +188,7 @@ class Scheduler:
         entries: list[Entry] = []
         preempted = False
         self.iteration += 1
+        self.ended_since_step = False
         self.coord.new_step_starts()
         prefill = False  # a running request's prefill chunk is in this step
         running = self.running
@@ -220,17 +224,20 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, entries, prefill)
+        # a step that schedules nothing is queued too (the engine queues its
+        # empty batch and takes its empty output in turn); it fences nothing
+        idx = self.num_scheduled
+        self.num_scheduled += 1
+        self.steps.append(Step(idx, entries))
         if entries:
-            idx = self.num_scheduled
-            self.num_scheduled += 1
-            self.steps.append(Step(idx, entries))
-            copies = self.coord.take_copies()
-            self.sink.append(StepObs(idx, tuple(
-                ReqStep(e.rid, e.start, e.end, e.spec, e.loaded, e.tables) for e in entries
-            ), tuple((src, dst) for *_, src, dst in copies)))
-            # a copy holds both its blocks until the step that runs it is processed
-            for g, rid, slot, src, dst in copies:
-                self.deferred.append((idx, rid, [(g, slot, dst), (g, slot, src)], "copy"))
+            self.last_busy = idx
+        copies = self.coord.take_copies()
+        self.sink.append(StepObs(idx, tuple(
+            ReqStep(e.rid, e.start, e.end, e.spec, e.loaded, e.tables) for e in entries
+        ), tuple((src, dst) for *_, src, dst in copies)))
+        # a copy holds both its blocks until the step that runs it is processed
+        for g, rid, slot, src, dst in copies:
+            self.deferred.append((idx, rid, [(g, slot, dst), (g, slot, src)], "copy"))
 
     def process(self, accepted: dict[str, int]) -> None:
         """The oldest step's output: drafts accepted or rejected, tokens sampled,
@@ -260,6 +267,9 @@ class Scheduler:
                     e.spoiled = e.spoiled or self._read_any(e, spoiled)
         for e in step.entries:
             r = self.requests[e.rid]
+            if e.discarded == "reset":
+                discarded.append(e.rid)
+                continue
             if e.discarded:
                 r.stale -= 1
                 if (e.discarded == "stale" and e.samples and r.status != "finished"
@@ -360,16 +370,28 @@ class Scheduler:
         other count it would free, labelled ``window``, blocks that go back
         at the same moment anyway; so every policy behaves the same at depth 1
         (vLLM 0.25.1 does label them ``window``)."""
-        full = len(self.steps) >= self.cfg.depth
-        if full and (why == "preempt" or self.cfg.depth == 1):
+        if self.cfg.depth == 1 and self.steps:
             self.held.append((why, rid))
             return True
         return False
 
-    def preempt(self, rid: str) -> None:
-        r = self.requests[rid]
-        self.running.remove(r)
-        self._preempt(r)
+    def has_requests(self) -> bool:
+        """vLLM's ``Scheduler.has_requests()``: a live request, or one ended
+        since the last step (the next step tells the workers); its engine
+        calls ``schedule()`` only then."""
+        return self.ended_since_step or any(r.status != "finished"
+                                            for r in self.requests.values())
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's ``reset_prefix_cache(reset_running_requests=True)``: every
+        running request preempted, the last admitted first, its in-flight
+        output dropped (it may resume at once); then the prefix cache emptied
+        if no block is in use (else vLLM raises, and the engine's loop goes
+        on). vLLM also keeps counting the dropped steps in flight until they
+        are processed, so it frees a resumed request's window later: safe."""
+        while self.running:
+            self._preempt(self.running.pop(), drop=True)
+        self.pool.reset_prefix_cache()
 
     def fail_load(self, rid: str, first_bad_block: int) -> None:
         e = self._loading_entry(self.requests[rid])
@@ -553,7 +575,8 @@ class Scheduler:
         outputs are dropped, or, after a preemption, delivered as ``stale``."""
         for e in r.entries:
             e.discarded = why
-        r.stale += len(r.entries)
+        if why != "reset":  # a reset's are dropped, and do not hold its resumption
+            r.stale += len(r.entries)
         r.entries.clear()
         r.in_flight = r.spec = r.loading = 0
 
@@ -569,7 +592,7 @@ class Scheduler:
         if self.defer_request_frees and self._in_flight(r):
             held = [h for g in groups for h in g]
             if held:
-                fence = r.last_step if reason == "failed_load" else self.num_scheduled - 1
+                fence = r.last_step if reason == "failed_load" else self.last_busy
                 self.deferred.append((fence, r.rid, held, reason))
             return
         for held in groups:  # per group, tail first (evicted first)
@@ -586,10 +609,11 @@ class Scheduler:
                 keep.append(item)
         self.deferred = keep
 
-    def _preempt(self, r: Request) -> None:
-        """``r`` is already out of ``running``."""
+    def _preempt(self, r: Request, drop: bool = False) -> None:
+        """``r`` is already out of ``running``. ``drop``: its in-flight output
+        is dropped (vLLM's ``drop_stale_output``), else delivered as stale."""
         self._let_go(r, self.coord.pop_for_free(r.rid), "preempt")
-        self._discard(r, "stale")
+        self._discard(r, "reset" if drop else "stale")
         r.computed = 0
         r.drafts = 0
         r.status = "preempted"
@@ -602,6 +626,7 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
         r.status = "finished"
+        self.ended_since_step = True
         self.just_finished.append(r)
         self.finishing.append(r)
         self.sink.append(FinishObs(r.rid, reason))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from impl.target import Capabilities, Unsupported
 from model.events import (
+    NO_PREEMPT_CALL,
     Abort,
     AddRequest,
     Config,
@@ -17,6 +18,7 @@ from model.events import (
     Finish,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     TraceError,
 )
@@ -29,12 +31,12 @@ class ReferenceTarget:
     name = "reference"
     # Every registered policy, by name, is the freeing basis of every group.
     # hazard=unordered defers request-level frees, while the request has a step
-    # in flight, until every step scheduled by then is processed. A Preempt
-    # arriving with depth steps in flight (the engine's batch queue full), and
-    # at depth 1 a Finish or Abort arriving while the step runs, are held until
-    # the next output is processed. A failed load recomputes from the first bad
-    # block into the blocks held, or from further back where that position's
-    # window reaches NULL slots.
+    # in flight, until every step scheduled by then is processed. At depth 1 a
+    # Finish or Abort arriving while the step runs is held until its output is
+    # processed. Preemption only as vLLM's engine preempts (model.events'
+    # ResetPrefixCache, pool pressure inside schedule()). A failed load
+    # recomputes from the first bad block into the blocks held, or from
+    # further back where that position's window reaches NULL slots.
     capabilities = Capabilities()
 
     def __init__(self) -> None:
@@ -69,9 +71,8 @@ class ReferenceTarget:
         elif isinstance(event, AddRequest):
             s.add_request(event.id, event.prompt_len, event.max_new_tokens, event.external_tokens,
                           event.variant)
-        elif isinstance(event, Preempt):
-            if not s.hold("preempt", event.id):
-                s.preempt(event.id)
+        elif isinstance(event, ResetPrefixCache):
+            s.reset_prefix_cache()
         elif isinstance(event, FailLoad):
             s.fail_load(event.id, event.first_bad_block)
         else:
@@ -91,9 +92,11 @@ class ReferenceTarget:
         if s is None:
             return "reset(config) first"
         cfg = s.cfg
-        if isinstance(ev, Schedule):
+        if isinstance(ev, (Schedule, ResetPrefixCache)):
             if len(s.steps) >= cfg.depth:
                 return f"{len(s.steps)} steps in flight already (depth {cfg.depth})"
+            if isinstance(ev, Schedule) and not s.has_requests():
+                return "no request to schedule (the engine does not call schedule())"
             return None
         if isinstance(ev, Process):
             if not s.steps:
@@ -127,10 +130,7 @@ class ReferenceTarget:
         if isinstance(ev, (Finish, Abort)):
             return None
         if isinstance(ev, Preempt):
-            live = s.coord.live.get(r.rid)
-            if r.status != "running" or not live or not any(live):
-                return f"request {r.rid!r} holds no blocks"
-            return None
+            return NO_PREEMPT_CALL
         if isinstance(ev, FailLoad):
             if cfg.mixed_block_sizes:
                 return ("a failed load names a block of one size; not modeled for groups of "

@@ -39,7 +39,16 @@ import sys
 from array import array
 from typing import Any
 
-from model.events import AddRequest, Config, Event, Finish, Preempt, Process, Schedule
+from model.events import (
+    AddRequest,
+    Config,
+    Event,
+    Finish,
+    Preempt,
+    Process,
+    ResetPrefixCache,
+    Schedule,
+)
 from model.observations import (
     NULL,
     AllocObs,
@@ -337,6 +346,8 @@ class Driver:
                     "one; with one batch in flight, only after a Schedule that found nothing")
         if t is AddRequest and ev.external_tokens:
             return "no connector loads here (HiCache is not driven)"
+        if t is ResetPrefixCache:
+            return "SGLang's flush_cache runs only with no request in the scheduler"
         rid = getattr(ev, "id", None)
         if t is Preempt:
             req = self.reqs.get(rid)

@@ -133,7 +133,9 @@ class SglangTarget:
         self.version = version
         self.name = f"sglang@{version}"
         self.capabilities = Capabilities(kinds=frozenset({"full", "sliding"}), max_depth=2,
-                                         fixed_policy="sglang", pinned=_pins(version))
+                                         fixed_policy="sglang", pinned=_pins(version),
+                                         preempt_call="retract_decode's release_req",
+                                         resets=False, loop="sglang")
         self._driver: Any = None
         self._config: Config | None = None
         self._state: EngineState | None = None
@@ -161,7 +163,7 @@ class SglangTarget:
 
             raise TargetCrash(f"{self.name}: reset raised:\n{traceback.format_exc()}") from None
         self._config = config
-        self._state = EngineState(config)
+        self._state = EngineState(config, loop=self.capabilities.loop)
         self._state.observe(obs)
         return obs
 

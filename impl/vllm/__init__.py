@@ -71,16 +71,21 @@ How an event runs
   reference's stream), ``max_tokens = max_new_tokens``, EOS ignored. External
   tokens need the connector (hazard ``unordered``); otherwise Unsupported
   (``can_apply`` is False).
-* Schedule: ``schedule()``; a step with nothing scheduled gives no StepObs and
-  is not queued (its output would change nothing).
+* Schedule: ``schedule()``, called only while the scheduler has requests
+  (``has_requests()``: live ones, or an ended one not yet told to the
+  workers). A step that schedules nothing is queued too (StepObs with no
+  requests), as the engine queues its empty batch, and its empty output is
+  processed in turn.
 * Process: ``update_from_output`` of the oldest scheduled step, with a
   ``ModelRunnerOutput`` sampling ``1 + a`` tokens (token 7) for each request
   the step samples for (none for a partial prefill chunk), ``a`` = accepted.
-* Preempt: vLLM's ``_preempt_request`` entered as ``schedule()`` enters it
-  under pool pressure (removed from ``running`` first), at a point where the
-  engine may call ``schedule()``: its batch queue has room (fewer than
-  ``depth`` steps in flight). One arriving with the queue full is held until
-  the next Process and applied after it.
+* Preemption: only where vLLM's engine preempts: inside ``schedule()`` under
+  pool pressure, at an abort, and at ResetPrefixCache, the engine's
+  ``reset_prefix_cache(reset_running_requests=True)`` utility call, taken
+  between two steps of its loop (fewer than ``depth`` in flight); its
+  RuntimeError where the reset fails with blocks still held is returned to
+  the caller and the loop goes on. A trace's Preempt of one chosen request is
+  refused: vLLM has no such call.
 * FailLoad: reported with that step's output as ``invalid_block_ids``: the
   physical blocks (group 0) from logical ``k`` to the end of the loaded range
   as the loading step was scheduled with them (what a worker-side connector
@@ -173,7 +178,7 @@ from typing import Any
 
 from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
 from impl.worker import WorkerDied, WorkerProcess, flight_from_env, in_worker
-from model.events import AddRequest, Config, Event, FailLoad, Trace
+from model.events import AddRequest, Config, Event, FailLoad, Preempt, Trace
 from model.observations import Observed
 from model.streams import EngineState
 
@@ -579,6 +584,8 @@ class VllmTarget:
             return False
         if type(event) is AddRequest:
             return not event.external_tokens or cfg.hazard == "unordered"
+        if type(event) is Preempt:  # no vLLM call preempts one chosen request
+            return False
         if type(event) is FailLoad:  # on hybrids a known crash of the releases
             return len(cfg.groups) == 1 or self._fail_hybrid
         return True

@@ -37,7 +37,6 @@ import math
 import re
 import shutil
 import tempfile
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from model.events import (
+    NO_PREEMPT_CALL,
     Abort,
     AddRequest,
     Config,
@@ -53,6 +53,7 @@ from model.events import (
     Group,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
 )
 from model.observations import (
@@ -891,8 +892,10 @@ class Driver:
             self._process(ev)
         elif t is AddRequest:
             self._add(ev)
+        elif t is ResetPrefixCache:
+            self._reset_prefix_cache()
         elif t is Preempt:
-            self._preempt(ev)
+            raise EventUnsupported(NO_PREEMPT_CALL)
         elif t is FailLoad:
             self._fail_load(ev)
         elif t is Finish or t is Abort:
@@ -942,7 +945,14 @@ class Driver:
         self._worker_tables(out)  # the engine hands every output to the worker
         self._rec("schedule", self.next_step if out.total_num_scheduled_tokens else None)
         if not out.total_num_scheduled_tokens:
-            return  # an empty step: nothing runs, nothing to process
+            # an empty step: the engine queues its batch too, and takes its
+            # (empty) output in turn (step_with_batch_queue)
+            step = self.next_step
+            self.next_step += 1
+            self.pending.append(_Pending(step, out, {}, {}))
+            self.items.append(StepObs(step, (), tuple(self.step_copies)))
+            self.step_copies = []
+            return
         meta = getattr(out, "kv_connector_metadata", None)
         loads = getattr(meta, "loads", None) or {}
         spec = out.scheduled_spec_decode_tokens
@@ -1081,9 +1091,8 @@ class Driver:
         self.failed_now = {}
         queued, self.queued = self.queued, []
         for q in queued:  # the sync engine's abort queue: after the step ran, before its output
-            if type(q) is not Preempt:
-                self._finish(q)
-        if self.script is not None:
+            self._finish(q)
+        if self.script is not None and rids:  # an empty step's output changes nothing
             B = self.cfg.block_size
             # a failed load names the loaded blocks from the first bad one on
             # (_invalid_blocks): their slots in the loading step's table
@@ -1094,11 +1103,6 @@ class Driver:
                              if p.obs[rid].tables[0][s] != NULL]
                        for rid, k in p.failed.items()})
         self.sched.update_from_output(out, mro)
-        for q in queued:  # preemption: in the next schedule(), after this output
-            r = self.sched.requests.get(q.id)
-            if type(q) is Preempt and r is not None and r.status == self.RS.RUNNING:
-                self._rec("preempt", q.id)
-                compat.preempt(self.sched, r, time.monotonic())
         discarded = []
         for rid in rids:
             if rid in gone_before or rid in self.failed_now:
@@ -1137,14 +1141,11 @@ class Driver:
         return bad
 
     def _hold_for_engine(self, ev: Any) -> bool:
-        """vLLM's engine preempts only inside ``schedule()``, which it calls only
-        while its batch queue has room (``EngineCore.step_with_batch_queue``):
-        with ``depth`` steps in flight it first waits for the oldest output. At
-        depth 1 it also never ends a request while its one step runs: it takes
-        an abort / stop that arrives then after the step has run, right before
-        processing its output. So hold such an event until that Process."""
-        full = len(self.pending) >= self.cfg.depth
-        if full and (type(ev) is Preempt or self.cfg.depth == 1):
+        """At depth 1 vLLM's engine never ends a request while its one step
+        runs: it takes an abort / stop that arrives then after the step has
+        run, right before processing its output. So hold such an event until
+        that Process."""
+        if self.cfg.depth == 1 and self.pending:
             r = self.sched.requests.get(ev.id)
             if r is None or r.is_finished():
                 raise EventRejected(f"request {ev.id} is not live")
@@ -1152,14 +1153,24 @@ class Driver:
             return True
         return False
 
-    def _preempt(self, ev: Preempt) -> None:
-        if self._hold_for_engine(ev):
-            return
-        r = self.sched.requests.get(ev.id)
-        if r is None or r.status != self.RS.RUNNING or r not in self.sched.running:
-            raise EventRejected(f"request {ev.id} is not running")
-        self._rec("preempt", ev.id)
-        compat.preempt(self.sched, r, time.monotonic())
+    def _reset_prefix_cache(self) -> None:
+        """The engine's utility call, between two steps of its loop: every
+        running request preempted (the last admitted first), then the cache
+        reset if no block is in use. vLLM raises RuntimeError where the reset
+        fails with requests preempted (blocks still held: deferred frees,
+        loads); the engine's utility handler returns that error to the
+        caller and its loop goes on, so the driver does too."""
+        if len(self.pending) >= self.cfg.depth:
+            raise EventRejected(f"{self.cfg.depth} step(s) in flight: the engine takes a "
+                                f"utility call only between two steps of its loop")
+        for r in self.sched.running:
+            self.touched[r.request_id] = None
+        self._rec("reset")
+        try:
+            self.sched.reset_prefix_cache(reset_running_requests=True)
+        except RuntimeError as e:
+            if "Failed to reset KV cache" not in str(e):
+                raise
 
     def _fail_load(self, ev: FailLoad) -> None:
         # With several KV-cache groups too: a worker-side connector reports the

@@ -24,6 +24,7 @@ import textwrap
 from pathlib import Path
 
 from model.events import (
+    NO_PREEMPT_CALL,
     Abort,
     AddRequest,
     Drain,
@@ -31,6 +32,7 @@ from model.events import (
     Finish,
     Preempt,
     Process,
+    ResetPrefixCache,
     Schedule,
     Trace,
 )
@@ -57,8 +59,10 @@ def _events(trace: Trace) -> list[tuple]:
             out.append(("process", dict(ev.accepted)))
         elif t is FailLoad:
             out.append(("fail_load", ev.id, ev.first_bad_block))
+        elif t is ResetPrefixCache:
+            out.append(("reset",))
         elif t is Preempt:
-            out.append(("preempt", ev.id))
+            raise ExportError(f"event #{i} (Preempt): {NO_PREEMPT_CALL}")
         elif t is Finish:
             out.append(("finish", ev.id))
         elif t is Abort:

@@ -202,8 +202,10 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
             for rid in tables.get(step, ()):
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
-        elif e[0] in ("preempt", "drafts"):
+        elif e[0] == "drafts":
             out += _call_line(e, tables).splitlines()
+        elif e[0] == "reset":  # the engine's utility call
+            out.append(_call_line(e, tables))
         elif e[0] in ("add", "process", "finish"):
             if (e[0] == "process" and e[1] == f.get("step")
                     and f["fact"] == "output_counts_after_failed_read"):
@@ -240,11 +242,8 @@ def _call_line(e: tuple, tables: dict) -> str:
         return f"scheduler.finish_requests({e[1]!r}, RequestStatus.{e[2]})"
     if e[0] == "drafts":  # the drafter's proposals on that output
         return f"propose(scheduler, {list(e[1])!r})"
-    if e[0] == "preempt":  # as schedule() preempts under pool pressure
-        return (f"req = scheduler.requests[{e[1]!r}]  # preempted as schedule() does\n"
-                "scheduler.running.remove(req)\n"
-                "scheduler._preempt_request(\n"
-                "    req, 0.0, drop_stale_output=scheduler.requires_kv_delivery)")
+    if e[0] == "reset":
+        return "reset_prefix_cache(scheduler)"
     raise ExportError(f"a call of kind {e[0]} raised; not stated by this form")
 
 
@@ -368,7 +367,7 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
     if meta.get("fixed_by"):
         doc += passes_with(meta["fixed_by"])
     torch_used = any("torch." in ln for ln in spec_lines)
-    helpers = [f for f in ("attention", "build", "output", "propose")
+    helpers = [f for f in ("attention", "build", "output", "propose", "reset_prefix_cache")
                if any(f"{f}(" in ln for ln in body + spec_lines) or f == "build"]
     head = [
         "# SPDX-License-Identifier: Apache-2.0",
