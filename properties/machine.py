@@ -521,8 +521,17 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.cfg is not None
                   and self.checker.in_flight_steps() < self.cfg.depth and self._may_schedule())
-    @rule()
-    def schedule(self) -> None:
+    @rule(data=st.data())
+    def schedule(self, data: st.DataObject) -> None:
+        # Now and then the client's utility call comes first, between two steps
+        # of the loop: reset_prefix_cache(reset_running_requests=True) preempts
+        # every running request (a draw that shrinks to "no reset"; a rule of
+        # its own would be drawn as often as a schedule)
+        if (type(self).target.capabilities.resets and self._holding()
+                and data.draw(_RESET_FIRST, label="reset_prefix_cache first")):
+            self._apply(ResetPrefixCache())
+            if not self._may_schedule():
+                return
         self._apply(Schedule())
 
     @precondition(lambda self: self.cfg is not None and len(self.added) >= MAX_ADDED
@@ -557,16 +566,9 @@ class KVMachine(RuleBasedStateMachine):
 
     # Preemption as the engine preempts: inside schedule() under pool pressure
     # (the pools drawn are small), at an abort, and at the utility call that
-    # preempts every running request, taken between two steps of the loop
-    # (fewer than depth in flight). A Preempt of one chosen request only where
-    # the target's engine has such a call (Capabilities.preempt_call).
-    @precondition(lambda self: self.checker is not None
-                  and type(self).target.capabilities.resets
-                  and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        self._apply(ResetPrefixCache())
-
+    # preempts every running request (drawn in the schedule rule). A Preempt
+    # of one chosen request only where the target's engine has such a call
+    # (Capabilities.preempt_call).
     @precondition(lambda self: self.checker is not None
                   and type(self).target.capabilities.preempt_call is not None
                   and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
@@ -680,6 +682,10 @@ def _request_args(B: int, S: int, longer: bool, external: bool, aligned: bool,
         return prompt, new, ext, variant
 
     return args()
+
+
+# one schedule in eight is preceded by the client's reset_prefix_cache call
+_RESET_FIRST = st.integers(0, 7).map(lambda n: n == 7)
 
 
 @functools.lru_cache(maxsize=1024)

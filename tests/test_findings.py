@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gate.known import finding_traces, fix_files, in_repo, trace_path
-from impl.target import TargetCrash
+from impl.target import TargetCrash, make_target
 from model.events import Schedule, Trace
 from properties.replay import InvalidEvent, replay
 
@@ -110,7 +110,19 @@ def _fail_policy(path: Path) -> Trace:
             failed.add(ev.id)
         events.append(ev)
     events.append(Schedule())  # what the others do next reads none of its blocks
-    return Trace(replace(t.config, kv_load_failure_policy="fail"), events, {})
+    # in the engine's order under "fail": no schedule() once nothing is left
+    # to schedule (the failed request ended), none with the batch queue full
+    cfg = replace(t.config, kv_load_failure_policy="fail")
+    ref = make_target("reference")
+    ref.reset(cfg)
+    kept = []
+    for ev in events:
+        if ref.can_apply(ev):
+            ref.apply(ev)
+            kept.append(ev)
+        elif type(ev).__name__ != "Schedule":
+            break
+    return Trace(cfg, kept, {})
 
 
 def _errors(rr) -> set[str]:

@@ -83,7 +83,8 @@ def test_an_unseen_broken_policy_is_caught():
     try:
         res = fuzz(FuzzSpec(kind="sliding", policy="settled-plus-one-block", block_size=16),
                    examples=300, seed=2)
-        assert res.violation is not None and res.violation.prop in (1, 2)
+        # a free that reads, or (property 6) one earlier than the settled rule's
+        assert res.violation is not None and res.violation.prop in (1, 2, 6)
     finally:
         REGISTRY.pop("settled-plus-one-block")
 
