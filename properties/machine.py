@@ -6,9 +6,14 @@ policy, and the knobs fixed on the command line; :func:`make_machine`); its
 :func:`config_strategy`, and its rules then interleave the events of
 docs/DESIGN.md. Preconditions come from the checker's shadow of the observations,
 so every target is driven the same way. An added request's id goes into the
-``requests`` Bundle, which Finish / Abort consume and Preempt draws from; a
-rule's choices are one draw each (its arguments, or one strategy built per
-config), and the FailLoad rule exists only where loads can fail.
+``requests`` Bundle, which Finish / Abort consume and Preempt (on a target
+with such a call) draws from; a rule's choices are one draw each (its
+arguments, or one strategy built per config), and the FailLoad rule exists
+only where loads can fail. The rules compose only orders the engine's loop
+can take (``EngineCore.step_with_batch_queue``): a Schedule while the batch
+queue, empty steps included, has room and the scheduler has requests;
+preemption inside schedule(), at an abort, or at the client's
+reset_prefix_cache call.
 
 The checker judges each event's observations. A violation of a property about
 the event itself (a free, a read, a step: properties 1, 2, 5, 6, 7) fails the
@@ -488,8 +493,9 @@ class KVMachine(RuleBasedStateMachine):
             cls.on_example("setup", self)
 
     # A request enters the ``requests`` Bundle when it is added; Finish / Abort
-    # consume it, Preempt draws it. A request also ends on its own (its last
-    # token, a failed load under the 'fail' policy), and its id stays in the
+    # consume it, Preempt (where the target has one) draws it. A request also
+    # ends on its own (its last token, a failed load under the 'fail' policy),
+    # and its id stays in the
     # Bundle: the draws filter on the request still running (holding blocks,
     # for Preempt), so an ended id costs no step and records no event, and the
     # preconditions ask that one such request exists (a filter that matches

@@ -93,7 +93,7 @@ def test_a_sync_only_slip_in_vllm_is_caught_by_property_6(tmp_path):
 def test_after_the_twin_parts_the_settled_rule_judges_the_rest(tmp_path):
     """0.33.0 keeps sliding-window blocks cached at its retention checkpoints
     only, so with prefix caching its hits differ from the reference's and the
-    twin parts (here at event 18, a hit of other length); the settled rule,
+    twin parts (here at event 10, a hit of other length); the settled rule,
     run beside the twin from the first event, judges the rest. A slip that
     frees one block late with prefix caching on only
     (``sync-cached-window-free-one-block-late``) is caught there, after the
@@ -235,7 +235,7 @@ def test_rswa_resumption_hit_holds_its_gap_until_the_next_step(monkeypatch):
     bad = replay(trace, t)
     assert bad.first is not None and bad.first.prop == 6, bad.first
     assert "still holding its logical block 1" in bad.first.message, bad.first
-    assert bad.first.step == 9 and bad.first.rid == "r0", bad.first
+    assert bad.first.step == 16 and bad.first.rid == "r0", bad.first
 
 
 def test_a_failed_load_of_an_ending_request_spoils_its_sharers():

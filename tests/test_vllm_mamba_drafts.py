@@ -93,11 +93,12 @@ DEPTH3 = ROOT / "traces" / "vllm" / "mamba-drafts-depth3-state-slots-of-the-step
 
 @pytest.mark.parametrize("where", ["reference", "0.33.0"])
 def test_a_step_behind_an_unprocessed_one_starts_where_that_one_can_end(where):
-    """Depth 3, two drafts: step 3 follows step 2, both unprocessed. Step 2's
-    end moves down only by the drafts of the steps before it (none: step 1 is
-    processed); its own drafts pick which of its slots step 3 starts from. No
-    outcome reaches slot 0, so letting go of the state there holds (a checker
-    that also moved step 2's end by its own drafts called it property 1)."""
+    """Depth 3, two drafts: step 5 follows step 3, both unprocessed (steps 2
+    and 4 scheduled nothing). Step 3's end moves down only by the drafts of
+    the steps before it (none: step 1 is processed); its own drafts pick which
+    of its slots step 5 starts from. No outcome reaches slot 0, so letting go
+    of the state there holds (a checker that also moved step 3's end by its
+    own drafts called it property 1)."""
     t = Trace.load(DEPTH3)
     rr = replay(t, "reference" if where == "reference" else vllm_target(where))
     assert rr.crash is None and rr.first is None, rr.crash or rr.first
