@@ -5,7 +5,7 @@ Each row is one Hypothesis run in a worker beside the target
 rows left, so rows that end early leave their time to the rest. A failure is
 shrunk by Hypothesis for about a row's share at most (then by
 properties/minimize.py); a row that has not reached every witness its configs
-can produce by the end of its share goes on for up to four times its share more,
+can produce by the end of its share goes on for up to eight times its share more,
 never past the deadline. A row not started by then is *not covered*.
 
 A row's status:
@@ -45,7 +45,7 @@ from gate.base import Base
 from gate.known import Finding, by_name, exposed, known_findings, name_of
 from gate.matrix import spec_of
 
-VACUOUS_GRACE = 4.0  # a vacuous row's extra time, in shares (properties.jobs.fuzz_job)
+VACUOUS_GRACE = 8.0  # a vacuous row's extra time, in shares (properties.jobs.fuzz_job)
 MIN_ROW_S = 1.5  # a row is not started with less than this left to it
 
 

@@ -73,7 +73,8 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
         if checker.in_flight_steps() < cfg.depth:
             busy = checker.busy_steps()
             obs = apply(Schedule())
-            if any(isinstance(it, StepObs) and it.reqs for it in obs.items):
+            steps = [it for it in obs.items if isinstance(it, StepObs)]
+            if any(it.reqs for it in steps):
                 idle = 0
                 continue  # the engine schedules again while the queue has room
             if not busy:
@@ -83,8 +84,10 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
                                         f"nothing {idle} times in a row, while "
                                         f"{', '.join(live())} have not finished",
                                      event_index=event_index)
-            if checker.in_flight_steps() < cfg.depth:
-                continue  # the engine queues the empty step and schedules again
+                if not checker.in_flight_steps():
+                    continue  # (SGLang's loop queues no empty step)
+            if steps and checker.in_flight_steps() < cfg.depth:
+                continue  # vLLM's engine queued the empty step and schedules again
         apply(Process())
     if not live():
         checker.witness["drained"] += 1

@@ -389,7 +389,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the same hash slip beside Mamba, where vLLM plans EAGLE's draft layer as a group of "
         "its own: a hit reads the draft group's KV built with another next token",
         ("--kind", "mamba", "--drafter", "eagle", "--no-external", *_PC, *_ASYNC),
-        frozenset({2}), min_examples=300, max_events=16),
+        frozenset({2}), min_examples=600, max_events=16),
     # groups of different block sizes (vLLM's page-size unification): a coarser
     # group's blocks are keyed by fine hashes (hash_block_size, their GCD)
     Mutant(
@@ -571,8 +571,8 @@ MUTANTS: tuple[Mutant, ...] = (
         _PARTIAL, frozenset({2}), base=_CHAIN_FIX, min_examples=400, max_events=20),
     Mutant(
         "ref-partial-copy-dropped", REF + "scheduler.py",
-        "            ), tuple((src, dst) for *_, src, dst in copies)))\n",
-        "            ), tuple((src, dst) for *_, src, dst in copies[1:])))\n",
+        "        ), tuple((src, dst) for *_, src, dst in copies)))\n",
+        "        ), tuple((src, dst) for *_, src, dst in copies[1:])))\n",
         "the reference hands a step all its queued copies but the first",
         _PARTIAL, frozenset({2}), subject="reference", min_examples=400, max_events=20),
     # property 6 on vLLM: the sync Scheduler beside the reference under settled

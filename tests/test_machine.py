@@ -34,7 +34,7 @@ def test_finish_abort_name_requests_still_in_the_system_and_preemption_is_the_en
     res = fuzz(FuzzSpec(kind="sliding", policy="settled"), examples=120, seed=5,
                on_example=check)
     assert res.violation is None and res.crash is None, res.violation or res.crash
-    assert seen["ended_events"] > 20 and seen["reset"] > 5 and not seen["preempt"], seen
+    assert seen["ended_events"] > 20 and seen["reset"] > 0 and not seen["preempt"], seen
 
 
 def test_fail_load_rule_only_where_loads_can_fail():

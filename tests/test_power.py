@@ -37,7 +37,9 @@ def test_settled_holds_and_is_not_vacuous(kind):
     assert res.crash is None, res.crash
     assert res.violation is None, res.violation
     assert not res.vacuous, f"never reached: {res.vacuous}"
-    assert res.stats.events["Process"] > 50 and res.stats.events["ResetPrefixCache"] > 5
+    assert res.stats.events["Process"] > 50
+    # preemption on the engine's paths (pool pressure, the client's reset) only
+    assert res.stats.witness["preempt_in_flight"] + res.stats.witness["preempt_in_schedule"] > 0
     assert not res.stats.events["Preempt"]  # the reference has no call preempting one request
 
 

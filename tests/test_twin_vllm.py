@@ -67,7 +67,8 @@ def test_unmodified_vllm_at_depth_one_is_silent_and_compared(version, kind):
     assert res.crash is None, res.crash
     assert res.violation is None, res.violation
     assert "twin_compared" in res.stats.expected and not res.vacuous, res.vacuous
-    assert res.stats.witness["window_free"] > 0 and res.stats.events["ResetPrefixCache"] > 0
+    assert res.stats.witness["window_free"] > 0
+    assert res.stats.witness["preempt_in_schedule"] + res.stats.events["ResetPrefixCache"] > 0
 
 
 def test_a_sync_only_slip_in_vllm_is_caught_by_property_6(tmp_path):

@@ -210,3 +210,41 @@ def test_vllm_tests_pass_with_the_fixes(tmp_path):
     for target, stems in groups.items():
         for stem, failure in _run(target, stems, tmp_path).items():
             assert failure is None, (stem, target, failure[:1500])
+
+
+@pytest.mark.vllm
+def test_a_trace_of_an_older_release_exports_in_the_newest_api(tmp_path):
+    """The seed bug's trace on 0.25.1 (property 1 once every property is
+    checked), exported in 0.33's API: the test holds on 0.33.0, which fixed
+    the bug, and fails on 0.33.0 with the fix reverted (scripts/mutants.py's
+    optimistic-basis), naming the freed block."""
+    from impl.vllm import resolve
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import mutants
+
+    stem = "spec-reject-null-read-0.25.1"
+    text, (helper, _utils), why = export(
+        Trace.load(ROOT / "traces" / "vllm" / f"{stem}.json"), stem)
+    assert not why and helper == HELPERS.name
+    words = " ".join(text.split())
+    assert "Found by kvcheck on vllm@0.25.1" in words and "they hold there" in words
+    module = tmp_path / f"test_{_ident(stem)}.py"
+    module.write_text(text)
+    m = next(x for x in mutants.MUTANTS if x.name == "optimistic-basis")
+    tree = mutants.mutant_tree(m, tmp_path / "tree")
+    outcome = {}
+    for where in ("0.33.0", str(tree)):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(PYTHONPATH=os.pathsep.join(map(str, [*resolve(where).path,
+                                                        HELPERS.parent])),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   OMP_NUM_THREADS="1")
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "--rootdir", str(tmp_path), "-c", os.devnull, str(module)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=900)
+        outcome[where] = (run.returncode, run.stdout[-3000:])
+    assert outcome["0.33.0"][0] == 0, outcome["0.33.0"][1]
+    code, out = outcome[str(tree)]
+    assert code == 1 and "was freed while step 0, still in flight, reads" in out, out

@@ -104,8 +104,11 @@ def _value(v: Any) -> str:
     return "torch.float32" if "float32" in str(v) else repr(v)
 
 
-def export_job(trace: Trace, name: str) -> tuple[str, str]:
-    """In a vLLM worker: (the test's text, kvcheck_utils.py's text)."""
+def export_job(trace: Trace, name: str, found: tuple | None = None) -> tuple[str, str]:
+    """In a vLLM worker: (the test's text, kvcheck_utils.py's text).
+    ``found``: (property, message, facts, event index) of the violation the
+    trace shows on an older release, where this vLLM holds: the test asserts
+    that fact at that event (it passes here, and fails where the bug is)."""
     from impl.target import Unsupported
     from impl.vllm.driver import Driver, EventRejected, InstrumentationError
     from model.events import Schedule
@@ -147,12 +150,16 @@ def export_job(trace: Trace, name: str) -> tuple[str, str]:
         if vs:
             v, at = vs[0], i
             break
+        if found is not None and i == found[3]:
+            v, at = Violation(found[0], found[1], facts=found[2]), i
+            break
     if v is None:
         raise ExportError(f"the trace holds on vllm {d.version}: there is nothing to assert")
     if v.facts is None or v.facts.get("fact") not in FACTS:
         raise ExportError(f"property {v.prop} ({v.name}): this form does not state it yet")
     body = _steps(d.script[1:], v, at, trace, d)
-    return _module(trace, name, v, specs, body, d.version, _mode(d, trace)), utils_source()
+    return (_module(trace, name, v, specs, body, d.version, _mode(d, trace),
+                    older=found is not None and v.message == found[1]), utils_source())
 
 
 def _mode(d: Any, trace: Trace) -> tuple[bool, int]:
@@ -346,7 +353,8 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
 
 
 def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[str],
-            version: str, mode: tuple[bool, int], build_raises: str = "") -> str:
+            version: str, mode: tuple[bool, int], build_raises: str = "",
+            older: bool = False) -> str:
     """The test module; ``mode``: async scheduling and the pipeline-parallel
     size that keep the trace's depth of batches in flight; ``build_raises``:
     the error building the scheduler raises (the test asserts that it builds)."""
@@ -362,8 +370,13 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
     doc = _wrap(f"{title[:1].upper()}{title[1:]}.")
     found = f"vLLM raises {v.message}" if v.facts.get("fact") == "raises" else str(v)
     where, on = _where(str(meta.get("target") or f"vllm@{version}"), version)
-    doc += [""] + _wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
-                        f"these calls, replayed on {on}: {found}")
+    if older:  # found on an older release; this one holds
+        doc += [""] + _wrap(f"Found by kvcheck on {where} (its trace: {name}.json): "
+                            f"{found}. These calls speak vllm {version}'s API; they hold "
+                            f"there, and the assertion fails on a tree with the bug.")
+    else:
+        doc += [""] + _wrap(f"Found by kvcheck on {where} (its trace: {name}.json); "
+                            f"these calls, replayed on {on}: {found}")
     if meta.get("fixed_by"):
         doc += passes_with(meta["fixed_by"])
     torch_used = any("torch." in ln for ln in spec_lines)
@@ -463,10 +476,20 @@ def step_form(trace: Trace, name: str) -> tuple[str, str]:
     from properties.jobs import WorkerGone, _call
 
     target = str(trace.meta.get("target") or "vllm@0.33.0")
+    found = None
     if not re.match(r"vllm@(0\.33\.|[^0-9])", target):
+        # an older release: its violation, asserted in 0.33's API
+        from properties.replay import replay
+
+        rr = replay(trace, target)
+        if rr.crash or rr.first is None:
+            raise ExportError(f"the trace shows no violation on {target} to assert")
+        at = next(i for i, row in enumerate(rr.rows) if row.violations)
+        found = (rr.first.prop, rr.first.message, rr.first.facts, at)
         target = "vllm@0.33.0"
     try:
-        text, utils = _call(target, 0, "impl.vllm.export_steps:export_job", (trace, name))
+        text, utils = _call(target, 0, "impl.vllm.export_steps:export_job",
+                            (trace, name, found))
     except WorkerGone as e:
         raise ExportError(f"the replay on {target} crashed: "
                           f"{str(e).strip().splitlines()[-1]}") from None
