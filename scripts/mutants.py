@@ -234,7 +234,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "            request.num_tokens,\n"
         "            request.num_tokens,\n",
         "a prompt's blocks are offered to the prefix cache before their chunk is computed",
-        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2})),
+        ("--kind", "full", "--prefix-caching", "on", *_ASYNC), frozenset({2}),
+        min_examples=600),
     Mutant(
         "preempts-fenced-victim", CORE + "sched/scheduler.py",
         "                    if not self._request_blocks_can_be_freed(preempted_req):\n"

@@ -482,10 +482,9 @@ def step_form(trace: Trace, name: str) -> tuple[str, str]:
         from properties.replay import replay
 
         rr = replay(trace, target)
-        if rr.crash or rr.first is None:
-            raise ExportError(f"the trace shows no violation on {target} to assert")
-        at = next(i for i, row in enumerate(rr.rows) if row.violations)
-        found = (rr.first.prop, rr.first.message, rr.first.facts, at)
+        if rr.first is not None and not rr.crash:
+            at = next(i for i, row in enumerate(rr.rows) if row.violations)
+            found = (rr.first.prop, rr.first.message, rr.first.facts, at)
         target = "vllm@0.33.0"
     try:
         text, utils = _call(target, 0, "impl.vllm.export_steps:export_job",
