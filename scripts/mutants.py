@@ -390,7 +390,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the same hash slip beside Mamba, where vLLM plans EAGLE's draft layer as a group of "
         "its own: a hit reads the draft group's KV built with another next token",
         ("--kind", "mamba", "--drafter", "eagle", "--no-external", *_PC, *_ASYNC),
-        frozenset({2}), min_examples=600, max_events=16),
+        frozenset({2}), min_examples=1500, max_events=16),
     # groups of different block sizes (vLLM's page-size unification): a coarser
     # group's blocks are keyed by fine hashes (hash_block_size, their GCD)
     Mutant(
@@ -400,7 +400,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resolve_block_hashes' coarse view keys a block by the fine hash one unit before "
         "its end: the block's last hash unit is left out of its key",
         ("--kind", "hybrid", "--group-block-sizes", "mixed", *_PC, "--block-size", "4",
-         "--spec-tokens", "0", *_ASYNC), frozenset({2}), min_examples=300, max_events=16),
+         "--spec-tokens", "0", *_ASYNC), frozenset({2}), min_examples=1500, max_events=16),
     Mutant(
         "cached-at-hash-unit", CORE + "block_pool.py",
         "        assert block_mask is None or len(block_mask) == len(new_full_blocks)\n"
