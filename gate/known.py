@@ -174,19 +174,29 @@ def fix_candidates(res: Any, findings: list[Finding], release: str,
     those with its property and text, and (``any_text``) also every finding
     whose trace needs no event type the counterexample lacks and whose
     load-failure policy it shares (a bug seen through another property).
-    One per fix, those with the text first."""
+    One per fix, the likeliest first (each new fix costs a worker's start,
+    and naming has a deadline): a finding on the counterexample's kinds and
+    drafter, then one with its text, then the one needing the most of its
+    event types (finding 11's text, "scheduled nothing", is every stall's)."""
     if res.trace is None:
         return []
-    events, _, _, load_failure = _shape(res)
+    events, kinds, drafter, load_failure = _shape(res)
     said = _signature_matches(res, findings)
     rest = [f for f in findings if any_text and f not in said and f.events <= events
             and f.load_failure == load_failure]
+
+    def likeliest(f: Finding) -> tuple:
+        return (not f.kinds <= kinds, f.drafter != drafter, f not in said, -len(f.events),
+                f.name)
+
     out, fixes = [], set()
-    for f in sorted(said, key=lambda f: f.name) + sorted(rest, key=lambda f: f.name):
+    for f in sorted([*said, *rest], key=likeliest):
         if f.target != release or not f.fixed_by or f.fixed_by in fixes:
             continue
         fixes.add(f.fixed_by)
-        out.append(f)
+        # findings 1-3 share one fix: it is named by the one with the text
+        out.append(next((g for g in said if g.fixed_by == f.fixed_by
+                         and g.target == release), f))
     return out
 
 

@@ -227,3 +227,33 @@ def test_a_vacuous_run_goes_on_for_its_grace():
     assert graced.stats.examples > 1 and not graced.vacuous, graced.vacuous
     # with every witness reached it stops at once past its time, far inside its grace
     assert graced.stats.examples < 2000
+
+
+def test_naming_by_fix_tries_the_likeliest_fix_first():
+    """Finding 3 seen as a stall (property 7, full attention, failed loads):
+    its text is no finding's, so every fix its events allow may clear it, and
+    each costs a worker's start against the naming deadline. The fix of a
+    finding found on its kinds with the most of its event types comes first,
+    and it is the one that clears it."""
+    from gate.known import classify_by_fix, fix_candidates, known_findings
+    from model.events import Trace
+    from properties.jobs import replay_beside
+    from properties.machine import FuzzResult, RunStats
+
+    findings = known_findings()
+    t = Trace.load(ROOT / "traces" / "vllm" / "failed-load-in-flight-output-stalls-0.33.0.json")
+    rr = replay_beside(t, "vllm@0.33.0")
+    assert rr.first is not None and rr.first.prop == 7, rr.crash
+    res = FuzzResult(None, RunStats(), violation=rr.first, trace=t)
+    first = fix_candidates(res, findings, "vllm@0.33.0", any_text=True)[0]
+    assert first.kinds <= {"full"} and "FailLoad" in first.events, first
+    assert "03-failed-load-in-flight-output-delivered/fix.diff" in first.fixed_by
+    tried = []
+
+    def replay(trace, fixed):
+        tried.append(fixed)
+        return replay_beside(trace, fixed)
+
+    assert classify_by_fix(res, findings, "vllm@0.33.0", replay=replay, any_text=True) == \
+        first.name
+    assert len(tried) == 1, tried
