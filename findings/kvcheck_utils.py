@@ -94,7 +94,7 @@ def plan_kv_cache(
 
     vc, specs = vllm_config, [dict(layer_specs)]
     vc.cache_config.num_gpu_blocks_override = num_blocks
-    vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on CUDA
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = not hma_as_on_cuda(vc)
     register_all_kvcache_specs(vc)
     resolve_kv_cache_layout(vc, [["NHD"]], list(layer_specs.values()))
     groups = planning.get_global_kv_cache_groups(vc, specs)
@@ -116,6 +116,18 @@ def plan_kv_cache(
     align = kcu.resolve_cache_hit_alignment_tokens(kvc, vc, block_size, hash_block_size)
     kvc.hash_block_size, kvc.cache_hit_alignment_tokens = hash_block_size, align
     return kvc, block_size, hash_block_size
+
+
+def hma_as_on_cuda(vllm_config: Any) -> bool:
+    """Whether VllmConfig would keep the hybrid KV-cache manager on a GPU:
+    on, unless the KV connector configured does not support it (vLLM's CPU
+    platform turns it off always)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or ktc.kv_connector is None:
+        return True
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return bool(KVConnectorFactory.supports_hma_config(ktc))
 
 
 def build_scheduler(

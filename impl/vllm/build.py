@@ -20,8 +20,9 @@ these functions; the exporter writes their source into each vLLM-style test
 checker did. They speak vLLM 0.33's API and use its public functions only;
 older releases plan through ``compat``. What is not the engine's: the pool
 size is given (``num_gpu_blocks_override``, as ``--num-gpu-blocks-override``
-does) instead of measured, and the hybrid KV-cache manager stays on (vLLM's
-CPU platform turns it off; on CUDA it is on).
+does) instead of measured, and the hybrid KV-cache manager is on where
+CUDA would keep it on (vLLM's CPU platform turns it off; on CUDA a KV
+connector without HMA support turns it off).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
 
     vc, specs = vllm_config, [dict(layer_specs)]
     vc.cache_config.num_gpu_blocks_override = num_blocks
-    vc.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on CUDA
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = not hma_as_on_cuda(vc)
     register_all_kvcache_specs(vc)
     resolve_kv_cache_layout(vc, [["NHD"]], list(layer_specs.values()))
     groups = planning.get_global_kv_cache_groups(vc, specs)
@@ -60,6 +61,18 @@ def plan_kv_cache(vllm_config: Any, layer_specs: dict[str, Any],
     return kvc, block_size, hash_block_size
 
 
+def hma_as_on_cuda(vllm_config: Any) -> bool:
+    """Whether VllmConfig would keep the hybrid KV-cache manager on a GPU:
+    on, unless the KV connector configured does not support it (vLLM's CPU
+    platform turns it off always)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or ktc.kv_connector is None:
+        return True
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return bool(KVConnectorFactory.supports_hma_config(ktc))
+
+
 def replan(vllm_config: Any, kvc: Any, num_blocks: int) -> None:
     """What :func:`plan_kv_cache` writes on the VllmConfig, written again for
     a plan made before (the driver plans a layout once and reuses it)."""
@@ -67,7 +80,7 @@ def replan(vllm_config: Any, kvc: Any, num_blocks: int) -> None:
 
     vc = vllm_config
     vc.cache_config.num_gpu_blocks_override = num_blocks
-    vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = not hma_as_on_cuda(vc)
     vc.cache_config.num_gpu_blocks = kvc.num_blocks
     sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
     cacheable = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups

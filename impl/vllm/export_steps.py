@@ -52,7 +52,8 @@ def utils_source() -> str:
     from impl.vllm import build
 
     body = "\n\n".join(textwrap.dedent(inspect.getsource(f))
-                       for f in (build.plan_kv_cache, build.build_scheduler))
+                       for f in (build.plan_kv_cache, build.hma_as_on_cuda,
+                                                   build.build_scheduler))
     text = UTILS.read_text()
     return text.replace("# <the engine's steps: impl/vllm/build.py>\n",
                         "# the engine's steps, as kvcheck's driver runs them "
