@@ -49,6 +49,39 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--junit", default=None,
                    help="also write JUnit XML here (replaced atomically, as pytest does)")
     g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.add_argument("--shard", default=None, metavar="I/N",
+                   help="run the I-th of N parts of the rows (for CI's parallel jobs: the same "
+                        "split on every machine; each row gets what the whole --minutes would "
+                        "give it); join the parts with ./kvcheck merge")
+    g.add_argument("--list-rows", action="store_true",
+                   help="print the ids of the rows it would run (of the shard, with --shard) "
+                        "and run nothing")
+
+
+def add_merge_parser(sub: Any) -> None:
+    m = sub.add_parser(
+        "merge", help="join the reports of gate shards (--shard I/N) into one",
+        epilog="example:\n  ./kvcheck merge shard1/latest shard2/latest --reports reports/gate\n"
+               "the exit status is the joined rows' verdict, as the gate's")
+    m.add_argument("reports_in", nargs="+", metavar="REPORT_DIR",
+                   help="a gate run's report folder (holding gate.json)")
+    m.add_argument("--reports", default="reports/gate",
+                   help="the joined gate.md, gate.json and junit.xml go into a fresh folder here")
+    m.add_argument("--junit", default=None, help="also write the joined JUnit XML here")
+
+
+def cmd_merge(a: Any) -> int:
+    from cli.common import UsageError, usable_out
+    from gate.shards import ShardError, merge
+    from report.output import OutputError, check_named_file
+
+    usable_out(a.reports, "--reports")
+    try:
+        if a.junit is not None:
+            check_named_file(a.junit, "--junit")
+        return merge(a.reports_in, a.reports, a.junit, say=lambda line: print(line, flush=True))
+    except (ShardError, OutputError) as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_gate(a: Any) -> int:
@@ -73,9 +106,18 @@ def cmd_gate(a: Any) -> int:
             check_named_file(a.junit, "--junit")
         except OutputError as e:
             raise UsageError(str(e)) from None
+    shard = None
+    if a.shard is not None:
+        from gate.shards import ShardError, parse_shard
+
+        try:
+            shard = parse_shard(a.shard)
+        except ShardError as e:
+            raise UsageError(str(e)) from None
     opts = GateOptions(a.target, a.base, a.minutes, a.workers, a.seed, a.db, a.reports,
-                       a.junit, a.rows, a.kind, a.fail_fast, a.quiet, a.probe)
-    ticker = None if a.quiet else Ticker()
+                       a.junit, a.rows, a.kind, a.fail_fast, a.quiet, a.probe, shard,
+                       a.list_rows)
+    ticker = None if a.quiet or a.list_rows else Ticker()
     try:
         return run_gate(opts, say=lambda line: print(line, flush=True), ticker=ticker)
     except (BudgetError, OutputError) as e:

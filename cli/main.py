@@ -162,9 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--right", default="vllm@0.33.0")
     d.add_argument("--physical", action="store_true", help="compare physical block ids too")
 
+    from cli.gate import add_merge_parser
     from cli.gate import add_parser as add_gate
 
     add_gate(sub)
+    add_merge_parser(sub)
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -718,6 +720,12 @@ def cmd_gate(a) -> int:
     return run(a)
 
 
+def cmd_merge(a) -> int:
+    from cli.gate import cmd_merge as run
+
+    return run(a)
+
+
 def _check_environment() -> None:
     """The environment variables kvcheck reads, checked before anything runs
     (``KVCHECK_REDIS_URL`` is checked, and tried, where the database opens)."""
@@ -781,11 +789,12 @@ def main(argv: list[str] | None = None) -> int:
         _check_environment()
         if a.cmd is None:
             print(parser.format_usage().rstrip(), file=sys.stderr)
-            print("kvcheck: error: name a command (fuzz, replay, gate, check, prove, diff, "
-                  "export); ./kvcheck -h for help", file=sys.stderr)
+            print("kvcheck: error: name a command (fuzz, replay, gate, merge, check, prove, "
+                  "diff, export); ./kvcheck -h for help", file=sys.stderr)
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
-                "check": cmd_check, "gate": cmd_gate, "export": cmd_export}[a.cmd](a)
+                "check": cmd_check, "gate": cmd_gate, "merge": cmd_merge,
+                "export": cmd_export}[a.cmd](a)
     except (UsageError, TraceError, Unsupported, DatabaseError) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)
         return EXIT_USAGE

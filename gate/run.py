@@ -50,6 +50,8 @@ class GateOptions:
     fail_fast: bool = False
     quiet: bool = False
     probe: bool = True  # time where the change is (gate.coverage); off: even shares
+    shard: tuple[int, int] | None = None  # (I, N): the I-th of N parts (gate.shards)
+    list_rows: bool = False  # say the rows' ids and run nothing
 
 
 def refusal(target: Any, row: dict) -> str | None:
@@ -126,6 +128,27 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
         raise Unsupported(f"--rows {' '.join(o.rows) or '-'} --kind {' '.join(o.kinds) or '-'}: "
                           f"no row of the {everything} in the matrix is left")
     narrowed = f" (of {everything})" if len(rows) < everything else ""
+    shard = None
+    if o.shard is not None:
+        from gate.shards import split
+
+        i, n = o.shard
+        part = split(rows, n)[i - 1]
+        shard = {"index": i, "count": n, "rows": len(part), "rows_all": len(rows)}
+        budget *= len(part) / len(rows)  # each row gets what the whole run gives it
+        narrowed = (f" (shard {i}/{n} of {len(rows)}"
+                    + (f", of {everything} in the matrix" if len(rows) < everything else "")
+                    + f"; {budget / 60:.1f} min of the budget)")
+        rows = part
+        if rows and budget < min_budget(o.target) and not o.list_rows:
+            raise BudgetError(f"--minutes {o.minutes:g} --shard {i}/{n}: this shard's part "
+                              f"({budget:.0f} s for {len(rows)} rows) is below the "
+                              f"{min_budget(o.target):.0f} s that starting the workers and one "
+                              f"row takes on {o.target}")
+    if o.list_rows:
+        for r in rows:
+            say(r["id"])
+        return 0
     reports = fresh_run_dir(Path(o.reports))
     db = str(Path(o.db).resolve()) if o.db else None
     changes = Changes() if base.same else changed_lines(o.target, base.target)
@@ -176,11 +199,17 @@ def run_gate(o: GateOptions, say: Any = print, ticker: Any = None) -> int:
                   fixed, tried, notes, code, reports, junit, narrowed, probed)
     replace_file(reports / "gate.md", markdown(run))
     replace_file(reports / "gate.json", json.dumps(
-        {"target": o.target, "base": base.target, "base_why": base.why, "exit": code,
+        {"target": o.target, "base": base.target, "base_why": base.why,
+         "base_same": base.same, "base_release": base.release, "exit": code,
          "verdict": run.verdict, "changed": changes.files,
-         "fixed": [f.__dict__ for f in fixed],
+         "fixed": [f.__dict__ for f in fixed], "fixed_tried": list(tried),
          "changed_lines_executed": None if probed is None else
          {k: sorted(v) for k, v in probed.executed.items()},
+         "probe": None if probed is None else
+         {"probes": probed.probes, "seconds": probed.seconds,
+          "kinds_read": sorted(probed.kinds_read)},
+         "workers": workers, "minutes": o.minutes, "seconds": run.seconds, "notes": notes,
+         "narrowed": narrowed, "shard": shard, "matrix_rows": everything,
          "provenance": provenance([o.target, base.target], o.seed), "rows": results},
         indent=1, default=str))
     write_junit(results, junit, "kvcheck-gate")
