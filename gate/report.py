@@ -261,21 +261,24 @@ def markdown(run: GateRun) -> str:
 def write_junit(results: list[dict], path: Path, suite: str) -> None:
     """One test case ``test_row[ID]`` per row: an introduced (or new)
     counterexample, a row the target cannot run, a harness error fail; a row
-    not covered is skipped with what it lacked; one on the base passes and
-    says so. Written to a temporary file and renamed over ``path``."""
+    not covered is skipped with what it lacked, and so is a row whose
+    counterexample is a known finding or fails on the base too (it tested
+    nothing past that bug), with the finding or the base named. Written to a
+    temporary file and renamed over ``path``."""
+    def skipped(r: dict) -> bool:
+        return r["exit"] in (2, 4) or (r["exit"] == 0 and r.get("status") in ("on base", "known"))
+
     el = ET.Element("testsuite", name=suite, tests=str(len(results)),
                     failures=str(sum(1 for r in results if r["exit"] in (1, 3))),
-                    skipped=str(sum(1 for r in results if r["exit"] in (2, 4))))
+                    skipped=str(sum(1 for r in results if skipped(r))))
     for r in results:
         tc = ET.SubElement(el, "testcase", classname=suite, name=f"test_row[{r['id']}]",
                            time=f"{r.get('seconds', 0):.2f}")
         if r["exit"] in (1, 3):
             f = ET.SubElement(tc, "failure", message=f"{r['verdict']}: {r['detail']}"[:500])
             f.text = r.get("detail") or ""
-        elif r["exit"] in (2, 4):
+        elif skipped(r):
             ET.SubElement(tc, "skipped", message=r["verdict"][:500])
-        elif r.get("status") in ("on base", "known"):
-            ET.SubElement(tc, "system-out").text = r["verdict"]
     from report.output import replace_file
 
     root = ET.Element("testsuites", name=suite)

@@ -148,14 +148,17 @@ def test_summary_stays_within_60_lines_and_names_what_matters():
     assert md.startswith("## gate vllm@/pr against base vllm@0.33.0") and "`row0`" in md
 
 
-def test_junit_fails_introduced_skips_not_covered(tmp_path):
+def test_junit_fails_introduced_skips_not_covered_and_the_base_s_bugs(tmp_path):
     path = tmp_path / "j.xml"
     path.write_text("an earlier report")
     write_junit([result("introduced", 0, exit_=1), result("not covered", 1, exit_=4),
-                 result("on base", 2), result("holds", 3)], path, "kvcheck-gate")
+                 result("on base", 2, verdict="also on base: p2 (null-read), known: finding 1"),
+                 result("holds", 3)], path, "kvcheck-gate")
     text = path.read_text()
-    assert text.count("<failure") == 1 and text.count("<skipped") == 1
-    assert 'failures="1"' in text and 'skipped="1"' in text
+    assert text.count("<failure") == 1 and text.count("<skipped") == 2
+    assert 'failures="1"' in text and 'skipped="2"' in text
+    # a row that tested nothing past a bug the base has says which
+    assert 'message="also on base: p2 (null-read), known: finding 1"' in text
 
 
 def test_each_run_writes_a_fresh_folder_and_a_latest_link(tmp_path):
