@@ -532,9 +532,12 @@ class KVMachine(RuleBasedStateMachine):
         # Now and then the client's utility call comes first, between two steps
         # of the loop: reset_prefix_cache(reset_running_requests=True) preempts
         # every running request (a draw that shrinks to "no reset"; a rule of
-        # its own would be drawn as often as a schedule)
-        if (type(self).target.capabilities.resets and self.checker.in_flight_steps()
-                and self._holding() and data.draw(_RESET_FIRST, label="reset_prefix_cache first")):
+        # its own would be drawn as often as a schedule). With a step in flight,
+        # or at depth 1, where none is ever in flight at a schedule.
+        if (type(self).target.capabilities.resets
+                and (self.checker.in_flight_steps() or self.cfg.depth == 1)
+                and self._holding()
+                and data.draw(_RESET_FIRST, label="reset_prefix_cache first")):
             self._apply(ResetPrefixCache())
             if not self._may_schedule():
                 return
@@ -692,7 +695,8 @@ def _request_args(B: int, S: int, longer: bool, external: bool, aligned: bool,
 
 # one schedule in eight with a step in flight is preceded by the client's
 # reset_prefix_cache call (it preempts every request and may empty the cache:
-# more often, or with nothing in flight, prefix hits grow rare)
+# more often, or with nothing in flight, prefix hits grow rare); at depth 1,
+# where nothing is ever in flight at a schedule, one schedule in eight too
 _RESET_FIRST = st.integers(0, 7).map(lambda n: n == 7)
 
 

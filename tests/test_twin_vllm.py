@@ -61,13 +61,15 @@ def _run(target, cfg, events):
 @pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
 @pytest.mark.parametrize("kind", ["sliding", "hybrid"])
 def test_unmodified_vllm_at_depth_one_is_silent_and_compared(version, kind):
-    """Drafts, prefix caching and failed loads drawn; property 6
-    alone judged (0.25.1's and 0.33.0's failed-load findings are property 2)."""
+    """Drafts, prefix caching, preemption (the client's reset between two
+    steps) and failed loads drawn; property 6 alone judged (0.25.1's and
+    0.33.0's failed-load findings are property 2)."""
     res = _fuzz(vllm_target(version), 80, 5, kind=kind, depth=1, props=frozenset({6}))
     assert res.crash is None, res.crash
     assert res.violation is None, res.violation
     assert "twin_compared" in res.stats.expected and not res.vacuous, res.vacuous
     assert res.stats.witness["window_free"] > 0
+    assert res.stats.events["ResetPrefixCache"] > 0
 
 
 def test_a_sync_only_slip_in_vllm_is_caught_by_property_6(tmp_path):
