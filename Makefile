@@ -54,8 +54,9 @@ lint: venv
 bench: venv vllms
 	$(PY) -m bench
 
-nightly: venv vllms
-	NIGHTLY_MINUTES=$(NIGHTLY_MINUTES) $(PY) scripts/nightly.py
+nightly: venv
+	@for v in $$(./kvcheck nightly --releases); do bash scripts/install-vllm.sh $$v || exit 1; done
+	NIGHTLY_MINUTES=$(NIGHTLY_MINUTES) ./kvcheck nightly
 
 mutants: venv
 	bash scripts/install-vllm.sh 0.33.0

@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gate(sub)
     add_merge_parser(sub)
+    from gate.nightly import EPILOG as NIGHTLY_EPILOG
+    from gate.nightly import add_arguments as add_nightly
+
+    n = sub.add_parser(
+        "nightly", help="the nightly fuzz job: the whole matrix over a persistent database",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=NIGHTLY_EPILOG)
+    add_nightly(n)
     e = sub.add_parser(
         "export", help="write a trace as a standalone pytest module in vLLM's test style",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -720,6 +727,12 @@ def cmd_gate(a) -> int:
     return run(a)
 
 
+def cmd_nightly(a) -> int:
+    from gate.nightly import cmd
+
+    return cmd(a)
+
+
 def cmd_merge(a) -> int:
     from cli.gate import cmd_merge as run
 
@@ -789,11 +802,11 @@ def main(argv: list[str] | None = None) -> int:
         _check_environment()
         if a.cmd is None:
             print(parser.format_usage().rstrip(), file=sys.stderr)
-            print("kvcheck: error: name a command (fuzz, replay, gate, merge, check, prove, "
-                  "diff, export); ./kvcheck -h for help", file=sys.stderr)
+            print("kvcheck: error: name a command (fuzz, replay, gate, merge, nightly, check, "
+                  "prove, diff, export); ./kvcheck -h for help", file=sys.stderr)
             return EXIT_USAGE
         return {"fuzz": cmd_fuzz, "replay": cmd_replay, "prove": cmd_prove, "diff": cmd_diff,
-                "check": cmd_check, "gate": cmd_gate, "merge": cmd_merge,
+                "check": cmd_check, "gate": cmd_gate, "merge": cmd_merge, "nightly": cmd_nightly,
                 "export": cmd_export}[a.cmd](a)
     except (UsageError, TraceError, Unsupported, DatabaseError) as e:
         print(f"kvcheck: error: {e}", file=sys.stderr)

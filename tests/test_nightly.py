@@ -2,7 +2,6 @@
 JUnit, a failure replayed first on the second night), and the Redis-backed
 example database against a real ``redis-server``."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,14 +20,13 @@ from impl.target import Capabilities
 from properties.jobs import fuzz_job
 
 ROOT = Path(__file__).resolve().parent.parent
-NIGHTLY = ROOT / "scripts" / "nightly.py"
+NIGHTLY = [str(ROOT / "kvcheck"), "nightly"]
 
 
 def load_nightly():
-    spec = importlib.util.spec_from_file_location("kvcheck_nightly", NIGHTLY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import gate.nightly
+
+    return gate.nightly
 
 
 def vllm_cache(kinds=("full", "sliding")):
@@ -105,7 +103,7 @@ def test_bad_matrix_entries(entry):
 def test_bad_budget_or_workers_is_one_line_and_exit_2(tmp_path, argv, env, says):
     full_env = {k: v for k, v in os.environ.items() if k != "NIGHTLY_MINUTES"}
     full_env.update(env)
-    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "r"), *argv],
+    p = subprocess.run([sys.executable, *NIGHTLY, "--reports", str(tmp_path / "r"), *argv],
                        capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
     lines = (p.stdout + p.stderr).strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and says in lines[0], (p.returncode, lines)
@@ -117,7 +115,7 @@ def test_a_foreign_latest_in_the_reports_folder_is_refused_and_kept(tmp_path):
     (tmp_path / "r" / "latest").write_text("mine\n")
     env = {k: v for k, v in os.environ.items() if k != "KVCHECK_NIGHTLY_MATRIX"}
     env.update(NIGHTLY_MINUTES="0.1", KVCHECK_NIGHTLY_MATRIX="reference:full:settled")
-    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "r"),
+    p = subprocess.run([sys.executable, *NIGHTLY, "--reports", str(tmp_path / "r"),
                         "--db", str(tmp_path / "db")], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=120)
     lines = (p.stdout + p.stderr).strip().splitlines()
@@ -134,7 +132,7 @@ def run_nightly(tmp_path, matrix, minutes="0.3"):
            if k not in ("KVCHECK_REDIS_URL", "KVCHECK_NIGHTLY_MATRIX_FILE")
            and not k.startswith("PYTEST_XDIST")}
     env.update(NIGHTLY_MINUTES=minutes, KVCHECK_NIGHTLY_MATRIX=matrix)
-    p = subprocess.run([sys.executable, str(NIGHTLY), "--reports", str(tmp_path / "reports"),
+    p = subprocess.run([sys.executable, *NIGHTLY, "--reports", str(tmp_path / "reports"),
                         "--db", str(tmp_path / "db")], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=600)
     return p.returncode, p.stdout + p.stderr
@@ -268,3 +266,32 @@ def test_redis_database_replays_a_failure_first(tmp_path, redis_url, monkeypatch
     assert res["verdict"].startswith("VIOLATION p1") and res["examples_to_fail"] == 1
     assert res["replayed_from_database"] >= 1
     assert (tmp_path / "reports" / "rows" / f"{row['id']}.json").is_file()
+
+
+def _nightly(*argv, matrix=None):
+    env = {k: v for k, v in os.environ.items()
+           if k != "KVCHECK_NIGHTLY_MATRIX" and not k.startswith("PYTEST_XDIST")}
+    if matrix is not None:
+        env["KVCHECK_NIGHTLY_MATRIX"] = matrix
+    p = subprocess.run([sys.executable, *NIGHTLY, *argv], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_make_nightly_installs_the_releases_its_matrix_names():
+    assert _nightly("--releases")[1].split() == ["0.33.0"]
+    assert _nightly("--releases", matrix="reference:*")[1].split() == []
+    assert _nightly("--releases", matrix="-vllm@*")[1].split() == []
+    assert _nightly("--releases", matrix="+vllm@0.25.1:sliding")[1].split() == \
+        ["0.25.1", "0.33.0"]
+    assert _nightly("--releases", matrix="vllm@0.26.0:full")[1].split() == ["0.26.0"]
+
+
+def test_the_nightly_s_shards_partition_its_rows():
+    code, whole, err = _nightly("--list-rows", matrix="reference:*")
+    assert code == 0 and len(whole.split()) >= 5, err
+    parts = [_nightly("--list-rows", "--shard", f"{i}/2", matrix="reference:*")[1].split()
+             for i in (1, 2)]
+    assert sorted(parts[0] + parts[1]) == sorted(whole.split()) and all(parts)
+    code, _, err = _nightly("--shard", "0/2", matrix="reference:*")
+    assert code == 2 and "--shard '0/2'" in err

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The nightly fuzz job (``make nightly``): every target x kind x policy that
-should hold, fuzzed in parallel for a time budget, with a persistent example
-database, and a report a reviewer can read in the morning.
+"""The nightly fuzz job (``./kvcheck nightly``, ``make nightly``): every
+target x kind x policy that should hold, fuzzed in parallel for a time
+budget, with a persistent example database, and a report a reviewer can read
+in the morning.
 
-    NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py [--reports DIR] [--db DIR]
+    NIGHTLY_MINUTES=30 ./kvcheck nightly [--reports DIR] [--db DIR] [--shard I/N]
 
 The matrix (see :func:`build_matrix`): the reference target under the
 ``settled`` policy for full, sliding, chunked_local, mamba and hybrid; and
@@ -61,10 +62,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from gate.matrix import KNOBS, feature_rows, gate_matrix, row_id, target_label  # noqa: E402
+from gate.matrix import KNOBS, feature_rows, gate_matrix, row_id, target_label
 
 KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid", "rswa", "sink")
 REFERENCE_KINDS = ("full", "sliding", "chunked_local", "mamba", "hybrid")
@@ -240,7 +238,8 @@ def _db_label(db: str) -> str:
 
 
 def run(minutes: float, reports: Path, db: str, workers: int | None = None,
-        matrix_spec: str | None = None, python: str = sys.executable) -> int:
+        matrix_spec: str | None = None, python: str = sys.executable,
+        shard: tuple[int, int] | None = None, list_rows: bool = False) -> int:
     from gate.report import provenance, write_junit
     from gate.rows import exit_status, run_rows
     from report.output import OutputError, fresh_run_dir
@@ -252,12 +251,26 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
     except MatrixError as e:
         print(f"nightly: {e}", file=sys.stderr)
         return 2
+    share = 1.0
+    if shard is not None:
+        from gate.shards import split
+
+        part = split(rows, shard[1])[shard[0] - 1]
+        share = len(part) / len(rows)  # each row gets what the whole job gives it
+        rows = part
+    if list_rows:
+        for r in rows:
+            print(r["id"])
+        return 0
+    if not rows:
+        print(f"nightly: shard {shard[0]}/{shard[1]} holds no row", flush=True)
+        return 0
     try:
         reports = fresh_run_dir(reports)  # a night's reports never replace another's
     except (OutputError, OSError) as e:
         print(f"nightly: --reports: {e}", file=sys.stderr)
         return 2
-    budget = max(1.0, minutes * 60) - (time.time() - t0)
+    budget = max(1.0, minutes * 60 * share) - (time.time() - t0)
     ncpu = os.cpu_count() or 1
     workers = max(1, min(workers or ncpu, len(rows)))
     print(f"nightly: {len(rows)} rows on {workers} worker(s), budget {minutes:g} min, "
@@ -277,6 +290,7 @@ def run(minutes: float, reports: Path, db: str, workers: int | None = None,
                "minutes": minutes, "workers": workers, "cpus": ncpu,
                "per_row_seconds": round(budget * workers / max(1, len(rows)), 1),
                "database": _db_label(db), "notes": notes,
+               "shard": None if shard is None else {"index": shard[0], "count": shard[1]},
                "provenance": provenance([r["target"] for r in rows], None)}
     (reports / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = format_markdown(summary, reports)
@@ -339,37 +353,105 @@ def format_markdown(s: dict, reports: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="nightly", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  NIGHTLY_MINUTES=30 .venv/bin/python scripts/nightly.py\n"
-               "  KVCHECK_NIGHTLY_MATRIX='reference:*' .venv/bin/python scripts/nightly.py "
-               "--minutes 5")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     env_minutes = os.environ.get("NIGHTLY_MINUTES") or "30"
-    try:
-        default_minutes = float(env_minutes)
-    except ValueError:
-        default_minutes = math.nan
-    ap.add_argument("--minutes", type=float, default=default_minutes,
+    ap.add_argument("--minutes", default=env_minutes,
                     help="time budget for the whole job (default $NIGHTLY_MINUTES or 30)")
     ap.add_argument("--reports", default=os.environ.get("KVCHECK_NIGHTLY_REPORTS", "reports"))
     ap.add_argument("--db", default=os.environ.get("KVCHECK_NIGHTLY_DB", ".hypothesis/kvcheck"),
                     help="example database directory (ignored when KVCHECK_REDIS_URL is set)")
     ap.add_argument("--workers", type=int, default=None, help="default: one per CPU")
-    a = ap.parse_args(argv)
-    if not (math.isfinite(a.minutes) and a.minutes > 0):
-        given = (f"NIGHTLY_MINUTES={env_minutes!r:.40}" if math.isnan(default_minutes)
-                 and a.minutes is default_minutes else f"--minutes {a.minutes}")
+    ap.add_argument("--shard", default=None, metavar="I/N",
+                    help="run the I-th of N parts of the rows (the gate's split, "
+                         "gate/shards.py); --minutes stays the whole job's budget")
+    ap.add_argument("--list-rows", action="store_true",
+                    help="print the ids of the rows it would run and run nothing")
+    ap.add_argument("--releases", action="store_true",
+                    help="print the vLLM releases the matrix names (what make nightly "
+                         "installs) and run nothing")
+
+
+EPILOG = ("example:\n  NIGHTLY_MINUTES=30 ./kvcheck nightly\n"
+          "  KVCHECK_NIGHTLY_MATRIX='reference:*' ./kvcheck nightly --minutes 5\n"
+          "exit 0 every row holds or is a known finding, 1 a new counterexample, 3 a new "
+          "crash or a target that cannot run, 4 incomplete, 2 a bad matrix or usage")
+
+
+def cmd(a: argparse.Namespace) -> int:
+    """``./kvcheck nightly``."""
+    try:
+        minutes = float(a.minutes)
+        given = f"--minutes {minutes}"
+    except ValueError:
+        minutes = math.nan
+        given = (f"NIGHTLY_MINUTES={a.minutes!r:.40}" if a.minutes == os.environ.get(
+            "NIGHTLY_MINUTES") else f"--minutes {a.minutes!r:.40}")
+    if not (math.isfinite(minutes) and minutes > 0):
         print(f"nightly: {given}: the time budget must be a positive number of minutes",
               file=sys.stderr)
         return 2
     if a.workers is not None and a.workers < 1:
         print(f"nightly: --workers {a.workers}: must be at least 1", file=sys.stderr)
         return 2
+    shard = None
+    if a.shard is not None:
+        from gate.shards import ShardError, parse_shard
+
+        try:
+            shard = parse_shard(a.shard)
+        except ShardError as e:
+            print(f"nightly: {e}", file=sys.stderr)
+            return 2
+    spec = os.environ.get("KVCHECK_NIGHTLY_MATRIX")
+    if a.releases:
+        try:
+            print("\n".join(releases(spec)))
+        except MatrixError as e:
+            print(f"nightly: {e}", file=sys.stderr)
+            return 2
+        return 0
     db = a.db if os.path.isabs(a.db) else str((Path.cwd() / a.db).resolve())
-    return run(a.minutes, Path(a.reports).resolve(), db, a.workers,
-               os.environ.get("KVCHECK_NIGHTLY_MATRIX"))
+    return run(minutes, Path(a.reports).resolve(), db, a.workers, spec, shard=shard,
+               list_rows=a.list_rows)
+
+
+def releases(spec: str | None) -> list[str]:
+    """The vLLM releases the matrix names (read from its entries, without
+    loading any target): the default rows' and every entry's ``vllm@X.Y.Z``."""
+    import re
+
+    spec = (spec or "").strip()
+    if spec.startswith("["):
+        try:
+            items = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise MatrixError(f"KVCHECK_NIGHTLY_MATRIX: not valid JSON ({e.msg})") from None
+        targets = [str(it.get("target", "")) for it in items if isinstance(it, dict)]
+        default = False
+    else:
+        entries = [e.strip() for e in spec.replace(";", ",").split(",") if e.strip()]
+        plain = [e for e in entries if e[0] not in "+-"]
+        explicit = [e for e in plain if not any(c in e for c in "*?[")]
+        default = not explicit or len(explicit) < len(plain)
+        minus = [e[1:] for e in entries if e.startswith("-")]
+        if default and any(fnmatch.fnmatchcase(DEFAULT_VLLM, m.split(":")[0]) for m in minus):
+            default = False
+        if default and plain and len(explicit) < len(plain) and not any(
+                fnmatch.fnmatchcase(DEFAULT_VLLM, e.split(":")[0]) for e in plain
+                if e not in explicit):
+            default = False  # patterns that keep no vLLM row
+        targets = [e.lstrip("+").split(":")[0] for e in entries if not e.startswith("-")]
+    names = [DEFAULT_VLLM] if default else []
+    names += [t for t in targets if re.fullmatch(r"vllm@\d+\.\d+\.\d+", t)]
+    return sorted({t.partition("@")[2] for t in names})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvcheck nightly", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    add_arguments(ap)
+    return cmd(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
