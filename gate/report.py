@@ -291,8 +291,9 @@ def provenance(targets: list[str], seed: int | None) -> dict[str, Any]:
     """What a run's verdicts depend on, written into ``gate.json`` and the
     nightly's ``summary.json`` so a result read later (or merged with other
     machines') says what made it: kvcheck's commit (``-dirty`` where its
-    tracked files differ from it), the seed (None: Hypothesis's own), the
-    release each vLLM target runs on, Python's and Hypothesis's versions."""
+    tracked files differ from it), the seed given (None: each row's own, in
+    its result's ``seed``), the release each vLLM target runs on, Python's and
+    Hypothesis's versions, the machine."""
     import platform
     import subprocess
 
@@ -315,6 +316,10 @@ def provenance(targets: list[str], seed: int | None) -> dict[str, Any]:
             releases[t] = release_of(t) if t.startswith("vllm@") else None
         except Exception:  # noqa: BLE001 - a target that cannot resolve has no release
             releases[t] = None
+    import os
+
     return {"kvcheck": (head + "-dirty" if dirty else head) if head else "unknown",
             "seed": seed, "vllm_releases": releases,
-            "python": platform.python_version(), "hypothesis": hypothesis.__version__}
+            "python": platform.python_version(), "hypothesis": hypothesis.__version__,
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(),
+                        "system": platform.platform()}}

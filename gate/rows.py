@@ -84,6 +84,11 @@ def run_row(row: dict, seconds: float, db_path: str | None, reports: Path, slot:
 
     t0 = time.perf_counter()
     out = blank(row)
+    if seed is None:  # Hypothesis's own randomness, but said: the row can be run again
+        import random
+
+        seed = random.SystemRandom().randrange(1, 2**31)
+    out["seed"] = seed
     try:
         if row.get("unavailable"):
             out.update(status="unavailable", verdict="UNAVAILABLE", detail=row["unavailable"],

@@ -504,3 +504,13 @@ def test_the_findings_a_change_may_fix_are_replayed_first():
     first = json.loads(by_file[0].read_text())["meta"]["fixed_by"]
     assert any("vllm/v1/core/sched/scheduler.py" in p.read_text() for p in fix_files(first))
     assert likely_first(paths, "vllm@/tmp/pr", set()) == paths  # no hint: as they were
+
+
+def test_a_row_without_a_given_seed_records_the_one_it_ran_with(tmp_path):
+    from gate.matrix import make_row
+    from gate.rows import run_row
+
+    row = make_row("reference", "full", "settled", {"depth": 1, "spec_tokens": 0})
+    seeds = {run_row(row, 1.5, None, tmp_path, seed=None)["seed"] for _ in range(2)}
+    assert len(seeds) == 2 and all(isinstance(s, int) and s > 0 for s in seeds)
+    assert run_row(row, 1.5, None, tmp_path, seed=7)["seed"] == 7

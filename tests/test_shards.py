@@ -82,6 +82,9 @@ def test_merged_shards_give_the_rows_and_verdict_of_one_run(tmp_path):
         f"JUnit {(tmp_path / 'm').resolve()}/{(tmp_path / 'm' / 'latest').resolve().name}"
         "/junit.xml")
     merged = json.loads((tmp_path / "m" / "latest" / "gate.json").read_text())
+    # what ran: kvcheck's commit, the machine, each row's seed and examples
+    assert merged["provenance"]["kvcheck"] and merged["provenance"]["machine"]["cpus"] >= 1
+    assert all(r["seed"] == 3 and r["examples"] > 0 for r in merged["rows"])
     code, out, err = kvcheck("gate", *args, "--reports", str(tmp_path / "whole"))
     whole = json.loads((tmp_path / "whole" / "latest" / "gate.json").read_text())
     assert sorted(r["id"] for r in merged["rows"]) == sorted(r["id"] for r in whole["rows"])
