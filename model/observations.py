@@ -316,6 +316,10 @@ class Counters:
     # ``LiveCounters`` folds them into every live request's counters.
     reqs: dict[str, ReqCounters] = field(default_factory=dict)
     bound: tuple[int, ...] = ()  # per group: the live-block bound the target sizes for
+    # what the target's own pool structures show broken, one line each (a
+    # block twice in its free queue, a reference count below zero, a block
+    # with references left in the free queue): property 3, after every event
+    pool_faults: tuple[str, ...] = ()
 
 
 class LiveCounters(dict[str, ReqCounters]):

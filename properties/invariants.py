@@ -1540,6 +1540,8 @@ class Checker:
     def _counters(self, obs: Observed) -> None:
         c = obs.counters
         owned = self._owned
+        for fault in c.pool_faults:  # the target's own pool structures, as it reads them
+            self._v(3, f"pool integrity: {fault}")
         if not c.free_blocks and self.reserved:
             self.witness["pool_drained"] += 1
         # a sink's reserved blocks are out of the pool for good (counted neither

@@ -1238,7 +1238,36 @@ class Driver:
             del active[rid]
         if self.leaving or gone:
             self._forget(gone)
-        return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound)
+        return Counters(self.pool.get_num_free_blocks(), self.cfg.num_blocks, reqs, self.bound,
+                        self._pool_faults())
+
+    def _pool_faults(self) -> tuple[str, ...]:
+        """The block pool's own integrity, read off vLLM's objects: its free
+        queue walked from head to tail (each block once, as many as
+        ``num_free_blocks``, none with a reference left), and no reference
+        count below zero."""
+        pool = self.pool
+        q = pool.free_block_queue
+        faults, seen = [], set()
+        b = q.fake_free_list_head.next_free_block
+        n = len(pool.blocks) + 1
+        while b is not None and b is not q.fake_free_list_tail and n > 0:
+            if b.block_id in seen:
+                faults.append(f"block {b.block_id} is in the free queue twice")
+                break
+            seen.add(b.block_id)
+            if b.ref_cnt != 0:
+                faults.append(f"block {b.block_id} is in the free queue with "
+                              f"{b.ref_cnt} reference(s) held")
+            b, n = b.next_free_block, n - 1
+        if b is None:
+            faults.append("the free queue is cut off before its tail")
+        elif not faults and len(seen) != q.num_free_blocks:
+            faults.append(f"the free queue holds {len(seen)} blocks but counts "
+                          f"{q.num_free_blocks}")
+        faults += [f"block {x.block_id} has reference count {x.ref_cnt}"
+                   for x in pool.blocks if x.ref_cnt < 0]
+        return tuple(faults)
 
     def _forget(self, gone: list[str]) -> None:
         """Drop what the driver keeps of finished requests that no step in
