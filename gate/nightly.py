@@ -110,10 +110,14 @@ def make_row(target: str, kind: str, policy: str | None, knobs: dict, cache: dic
             "policy": policy, "knobs": knobs, "unavailable": why, "source": source}
 
 
-def default_matrix(cache: dict, vllm: str = DEFAULT_VLLM) -> tuple[list[dict], list[str]]:
-    """The rows that should hold, and notes on kinds a target does not support."""
+def default_matrix(cache: dict, vllm: str | None = DEFAULT_VLLM
+                   ) -> tuple[list[dict], list[str]]:
+    """The rows that should hold, and notes on kinds a target does not
+    support (``vllm`` None: the reference's rows alone, nothing said of vLLM)."""
     rows = [make_row("reference", k, "settled", {}, cache, "default") for k in REFERENCE_KINDS]
-    notes = []
+    notes: list[str] = []
+    if vllm is None:
+        return rows, notes
     caps, why = _probe(vllm, cache)
     if caps is None:
         rows.append({"id": row_id("all", {}, vllm), "target": vllm, "kind": "all",
@@ -201,7 +205,12 @@ def build_matrix(spec: str | None, cache: dict | None = None) -> tuple[list[dict
     if explicit and not patterns:
         rows = []
     else:
-        rows, notes = default_matrix(cache)
+        # patterns that keep no vLLM row, or a minus dropping them: the vLLM
+        # target is neither started nor spoken of
+        keeps = not patterns or any(fnmatch.fnmatchcase(DEFAULT_VLLM, p.split(":")[0])
+                                    for p in patterns)
+        dropped = any(fnmatch.fnmatchcase(DEFAULT_VLLM, m) for m in minus)
+        rows, notes = default_matrix(cache, DEFAULT_VLLM if keeps and not dropped else None)
         if patterns:
             rows = [r for r in rows if any(_match(r, p) for p in patterns)]
     rows += [parse_entry(e, cache, "env") for e in explicit]

@@ -295,3 +295,14 @@ def test_the_nightly_s_shards_partition_its_rows():
     assert sorted(parts[0] + parts[1]) == sorted(whole.split()) and all(parts)
     code, _, err = _nightly("--shard", "0/2", matrix="reference:*")
     assert code == 2 and "--shard '0/2'" in err
+
+
+def test_a_reference_only_matrix_neither_starts_nor_speaks_of_vllm():
+    nightly = load_nightly()
+    for spec in ("reference:*", "-vllm@*"):
+        cache = {}
+        rows, notes = nightly.build_matrix(spec, cache)
+        assert rows and all(r["target"] == "reference" for r in rows), spec
+        assert notes == [] and nightly.DEFAULT_VLLM not in cache, (spec, notes, list(cache))
+    rows, notes = nightly.build_matrix("vllm@*", vllm_cache())
+    assert rows and all(r["target"] == "vllm@0.33.0" for r in rows) and notes
