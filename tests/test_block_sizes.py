@@ -120,7 +120,7 @@ def test_the_reference_lands_hits_on_the_scheduler_block():
 
 
 def test_fuzzing_mixed_sizes_on_the_reference_reaches_fine_grained_hits():
-    res = fuzz(FuzzSpec(kind="hybrid", block_sizes="mixed", prefix_caching=True), 60, seed=3)
+    res = fuzz(FuzzSpec(kind="hybrid", block_sizes="mixed", prefix_caching=True), 200, seed=3)
     assert res.violation is None and res.crash is None, res.violation or res.crash
     assert not res.vacuous, res.vacuous
     assert res.stats.witness["fine_grained_hit"] > 0
