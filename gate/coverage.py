@@ -13,7 +13,12 @@ A probe's share can be shorter than its kind's first scheduler build (an
 encoder-decoder's takes seconds): the changed lines are also read as code,
 and a line inside a manager class of ``single_type_kv_cache_manager.py``
 marks the kinds that class (or one that inherits it) manages
-(:func:`kinds_of_changes`), whether or not their probe got that far.
+(:func:`kinds_of_changes`), whether or not their probe got that far. Those
+rows run after the rows whose probe executed a changed line and before the
+others, with :data:`WEIGHT` shares each: reading marks every kind whose
+manager inherits the changed method (a slip in full attention's hit on a
+partial entry marks six kinds), where the probe sees the one or two rows
+that reach that branch, and those keep the larger part of the budget.
 """
 
 from __future__ import annotations
@@ -154,10 +159,11 @@ def probe_job(spec: Any, files: dict[str, list[int]], tree: str, seconds: float,
 @dataclass
 class Probe:
     executed: dict[str, set[int]] = field(default_factory=dict)
-    groups_hit: set[tuple] = field(default_factory=set)
+    groups_hit: set[tuple] = field(default_factory=set)  # their probe executed a changed line
     probes: int = 0
     seconds: float = 0.0
     kinds_read: set[str] = field(default_factory=set)  # marked by kinds_of_changes
+    groups_read: set[tuple] = field(default_factory=set)  # of those kinds, not in groups_hit
 
     def count(self) -> int:
         return sum(len(v) for v in self.executed.values())
@@ -179,8 +185,9 @@ class Probe:
     def text(self, changes: Changes) -> str:
         read = (f"; in the managers of {', '.join(sorted(self.kinds_read))}"
                 if self.kinds_read else "")
+        ran = f"; executed in {len(self.groups_hit)} row group(s)" if self.groups_hit else ""
         return (f"changed lines executed: {self.count()} of {changes.lines} "
-                f"({self.probes} probes, {self.seconds:.0f} s{read}; their rows run first)")
+                f"({self.probes} probes, {self.seconds:.0f} s{ran}{read}; their rows run first)")
 
 
 def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: float,
@@ -232,27 +239,30 @@ def probe(rows: list[dict], changes: Changes, target: str, tree: Path, budget: f
     for th in threads:
         th.join()
     out.kinds_read = kinds_of_changes(changes, tree)
-    out.groups_hit |= {g for g in groups if g[0] in out.kinds_read}
+    out.groups_read = {g for g in groups if g[0] in out.kinds_read} - out.groups_hit
     out.seconds = time.monotonic() - t0
     return out
 
 
 def prioritize(rows: list[dict], p: Probe) -> list[dict]:
-    """Rows whose group executed a changed line first, the others after them
-    (stable order), one share each. A row that executes changed lines gets
-    :data:`WEIGHT` shares, or more where few rows do: together they get at
-    least :data:`HIT_SHARE` of the budget (a change only a feature row reaches
-    gets its time there, not a 250th of it)."""
-    if not p.groups_hit:
+    """Rows whose group executed a changed line first, then the rows of the
+    kinds only reading marked (:data:`WEIGHT` shares each), the others after
+    them (stable order), one share each. A row that executes changed lines
+    gets :data:`WEIGHT` shares, or more where few rows do: together they get
+    at least :data:`HIT_SHARE` of the budget (a change only a feature row
+    reaches gets its time there, not a 250th of it)."""
+    if not p.groups_hit and not p.groups_read:
         return rows
     hit = [r for r in rows if _group(r) in p.groups_hit]
-    rest = [r for r in rows if _group(r) not in p.groups_hit]
-    weight = hit_weight(len(hit), len(rest))
-    return [{**r, "weight": weight, "executes_changes": True} for r in hit] + rest
+    read = [r for r in rows if _group(r) in p.groups_read and _group(r) not in p.groups_hit]
+    rest = [r for r in rows if _group(r) not in p.groups_hit | p.groups_read]
+    weight = hit_weight(len(hit), len(rest) + WEIGHT * len(read))
+    return ([{**r, "weight": weight, "executes_changes": True} for r in hit]
+            + [{**r, "weight": WEIGHT, "executes_changes": True} for r in read] + rest)
 
 
-def hit_weight(hit: int, rest: int) -> float:
-    """The shares of each of ``hit`` rows beside ``rest`` rows of one share."""
+def hit_weight(hit: int, rest: float) -> float:
+    """The shares of each of ``hit`` rows beside ``rest`` shares of the others."""
     if not hit:
         return WEIGHT
     return max(WEIGHT, HIT_SHARE / (1 - HIT_SHARE) * rest / hit)

@@ -346,7 +346,7 @@ def test_bad_gate_input_is_one_line_and_exit_2(tmp_path):
 
 def test_changed_lines_missed_and_rows_that_execute_them_first():
     from gate.base import Changes
-    from gate.coverage import WEIGHT, Probe, hit_weight, prioritize
+    from gate.coverage import WEIGHT, Probe, _group, hit_weight, prioritize
 
     ch = Changes({"vllm/a.py": [3, 4, 5, 9], "vllm/b.py": [1]})
     p = Probe({"vllm/a.py": {4}}, {("sliding", "ordered", False, None, None, None)}, 2, 1.0)
@@ -362,6 +362,17 @@ def test_changed_lines_missed_and_rows_that_execute_them_first():
     assert all(r["kind"] == "sliding" and r["knobs"]["hazard"] == "ordered"
                and r.get("weight") == 5.0 for r in first)
     assert hit_weight(60, 12) == WEIGHT  # where most rows execute it, three shares each
+    # full attention's rows marked by reading only: after the rows the probe
+    # saw, three shares each, and the rows it saw keep half the budget
+    p.groups_read = {g for g in (_group(r) for r in rows) if g[0] == "full"}
+    out = prioritize(rows, p)
+    read = [r for r in out if r.get("executes_changes") and r["kind"] == "full"]
+    assert read and out[:len(first)] == [r for r in out if r["kind"] == "sliding"
+                                         and r["knobs"]["hazard"] == "ordered"]
+    assert out[len(first):len(first) + len(read)] == read
+    assert all(r["weight"] == WEIGHT for r in read)
+    rest = len(rows) - len(first) - len(read)
+    assert out[0]["weight"] == hit_weight(12, rest + WEIGHT * len(read)) > 5.0
 
 
 def test_a_change_inside_a_manager_class_marks_the_kinds_it_manages(tmp_path):
