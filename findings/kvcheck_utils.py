@@ -159,6 +159,45 @@ def attention(spec_cls, block_size, **kw):
     )
 
 
+_LAYER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+DRAFTERS = {  # draft model configs (no weights are loaded)
+    "eagle": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_key_value_heads": 1,
+        **_LAYER,
+    },
+    "mtp": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "num_nextn_predict_layers": 2,
+        **_LAYER,
+    },
+}
+
+
 def build(
     tmp_path,
     layer_specs,
@@ -174,6 +213,7 @@ def build(
     pipeline_parallel_size=1,
     prefix_match_unit=None,
     num_speculative_tokens=0,
+    drafter="ngram",
 ):
     """The scheduler of a tiny OPT config with these layers (no weights are
     loaded), and a function making its requests; ``load_failure_policy``:
@@ -181,8 +221,11 @@ def build(
     ``mamba_cache_mode``: "align" for Mamba layers with a state per block;
     ``pipeline_parallel_size``: with async scheduling, one batch more than it
     in flight; ``prefix_match_unit``: prefix hits at that many tokens inside a
-    block; ``num_speculative_tokens``: an n-gram drafter proposing that many
-    drafts a step."""
+    block; ``num_speculative_tokens``: a drafter proposing that many drafts a
+    step, ``drafter``: "ngram", "eagle" (a one-layer EAGLE head) or "mtp" (a
+    DeepSeek-V3 config with two MTP modules); an EAGLE or MTP drafter's
+    attention layer is ``layer_specs["draft"]``, its spec with
+    ``is_draft=True``."""
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
@@ -217,7 +260,18 @@ def build(
     )
     parallel = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size)
     speculative = None
-    if num_speculative_tokens:
+    if num_speculative_tokens and drafter != "ngram":
+        draft = tmp_path / "draft"
+        draft.mkdir()
+        (draft / "config.json").write_text(json.dumps(DRAFTERS[drafter]))
+        speculative = SpeculativeConfig(
+            method=drafter,
+            model=str(draft),
+            num_speculative_tokens=num_speculative_tokens,
+            target_model_config=model_config,
+            target_parallel_config=parallel,
+        )
+    elif num_speculative_tokens:
         speculative = SpeculativeConfig(
             method="ngram_gpu",
             num_speculative_tokens=num_speculative_tokens,
@@ -245,8 +299,10 @@ def build(
     if prefix_caching or kv_transfer is not None:
         fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         kv_cache_utils.init_none_hash(fn)
-        hasher = kv_cache_utils.get_request_block_hasher(
-            scheduler.kv_cache_config.hash_block_size, fn
+        hasher = kv_cache_utils.get_request_block_hasher(  # as EngineCore makes it
+            scheduler.kv_cache_config.hash_block_size,
+            fn,
+            vllm_config.num_hash_lookahead_tokens,
         )
 
     def request(req_id, num_prompt_tokens, max_tokens, variant=0):
@@ -274,6 +330,26 @@ def output(scheduler_output, sampled, failed=()):
         pooler_output=[],
         kv_connector_output=failed_loads,
     )
+
+
+def worker_block_ids(scheduler_outputs, req_id):
+    """The block ids the model runner holds for ``req_id`` after these
+    scheduler outputs, per group, as it keeps them: a new or resumed
+    request's ids replace its table, a running one's new ids are appended."""
+    table = None
+    for out in scheduler_outputs:
+        for new in out.scheduled_new_reqs:
+            if new.req_id == req_id:
+                table = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        if req_id in cached.req_ids:
+            ids = cached.new_block_ids[cached.req_ids.index(req_id)]
+            if req_id in cached.resumed_req_ids:
+                table = [list(x) for x in ids]
+            elif ids is not None:
+                for held, more in zip(table, ids, strict=True):
+                    held.extend(more)
+    return table
 
 
 def propose(scheduler, req_ids):

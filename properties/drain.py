@@ -83,7 +83,8 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
                     return Violation(7, f"nothing is in flight and schedule() scheduled "
                                         f"nothing {idle} times in a row, while "
                                         f"{', '.join(live())} have not finished",
-                                     event_index=event_index)
+                                     event_index=event_index,
+                                     facts={"fact": "stalls", "rids": live(), "idle": idle})
                 if not checker.in_flight_steps():
                     continue  # (SGLang's loop queues no empty step)
             if steps and checker.in_flight_steps() < cfg.depth:

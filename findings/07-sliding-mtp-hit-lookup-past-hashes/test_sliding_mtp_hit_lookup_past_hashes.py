@@ -1,70 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""sliding-mtp-hit-lookup-past-hashes: a kvcheck trace replayed on vLLM's
-scheduler.
+"""A sliding hit lookup with an MTP drafter indexes past the hashes.
 
-Found by kvcheck on vllm@0.33.0; replayed on vllm 0.33.0: target crash:
-IndexError: list index out of range
+Found by kvcheck on vllm@0.33.0 (its trace:
+sliding-mtp-hit-lookup-past-hashes.json); these calls, replayed on vllm
+0.33.0: vLLM raises IndexError: list index out of range
 Passes with findings/07-sliding-mtp-hit-lookup-past-hashes/fix.diff applied.
-
-Config: sliding(W=16, R=1) B=16 blocks=12 depth=2 spec=2 policy=settled
-hazard=ordered prefix-caching drafter=mtp
-Written by `./kvcheck export TRACE --vllm-test OUT.py` from the trace;
-kvcheck_replay.Replay (beside it) replays the calls and asserts on vLLM's
-objects at every step (its docstring says what). Needs vLLM (0.33 line) and
-pytest only.
 """
 
 import pytest
-from kvcheck_replay import Replay, make_scheduler
+
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+from kvcheck_utils import attention, build
 
 pytestmark = pytest.mark.cpu_test
 
-CONFIG = {
-    "groups": [{"kind": "sliding", "param": 16}],
-    "block_size": 16,
-    "num_blocks": 12,
-    "max_num_batched_tokens": 32,
-    "max_num_seqs": 4,
-    "max_model_len": 128,
-    "spec_tokens": 2,
-    "depth": 2,
-    "policy": "settled",
-    "hazard": "ordered",
-    "prefix_caching": True,
-    "drafter": "mtp",
-}
-EVENTS = [
-    (
-        "add",
-        "r0",
-        [
-            17,
-            7936,
-            15855,
-            23774,
-            31693,
-            7612,
-            15531,
-            23450,
-            31369,
-            7288,
-            15207,
-            23126,
-            31045,
-            6964,
-            14883,
-            22802,
-            30721,
-        ],
-        4,
-        0,
-    ),
-    ("schedule",),
-]
-
 
 def test_sliding_mtp_hit_lookup_past_hashes(tmp_path):
-    sched, hasher = make_scheduler(CONFIG, tmp_path)
-    failure = Replay(CONFIG, sched, hasher).run(EVENTS)
-    assert failure is None, failure
+    layers = {
+        "layer0": attention(SlidingWindowSpec, 16, sliding_window=16),
+        "draft": attention(SlidingWindowSpec, 16, sliding_window=16),
+    }
+    scheduler, request = build(
+        tmp_path,
+        layers,
+        num_blocks=12,
+        block_size=16,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        async_scheduling=True,
+        prefix_caching=True,
+        num_speculative_tokens=2,
+        drafter="mtp",
+    )
+    scheduler.add_request(request("r0", 17, 4))
+    try:
+        scheduler.schedule()
+        error = None
+    except IndexError as e:
+        error = e
+    assert error is None, f"vLLM raised {type(error).__name__}: {error}"

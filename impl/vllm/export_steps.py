@@ -39,11 +39,28 @@ from model.events import Trace
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
 KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
-         "output_counts_after_failed_read", "raises"}
+         "output_counts_after_failed_read", "raises", "stalls", "state_clash"}
 
 
 class ExportError(Exception):
     """This form cannot state the trace (one line)."""
+
+
+class _Found(Exception):
+    """A violation inside a Drain's loop: the export stops there."""
+
+    def __init__(self, violation: Any) -> None:
+        super().__init__(str(violation))
+        self.violation = violation
+
+
+def fed_plain(d: Any, ev: Any, live: Any, last: list) -> Any:
+    """One event applied, its counters folded for a later Drain."""
+    o = d.apply(ev)
+    if o.counters is not None:
+        last[0] = o.counters
+        live.update(o.counters)
+    return o
 
 
 def utils_source() -> str:
@@ -66,11 +83,6 @@ def _check(trace: Trace) -> None:
     if bad:
         raise ExportError(f"kind {bad[0]}: this form states "
                           f"{', '.join(sorted(KINDS))} layers")
-    if cfg.spec_tokens and cfg.drafter in ("eagle", "mtp"):
-        raise ExportError(f"drafts of an {cfg.drafter.upper()} model: this form states "
-                          f"n-gram drafts only")
-    if any(g.retained for g in cfg.groups):
-        raise ExportError("retained tokens are not stated yet")
 
 
 def _spec_code(spec: Any) -> str:
@@ -112,7 +124,9 @@ def export_job(trace: Trace, name: str, found: tuple | None = None) -> tuple[str
     that fact at that event (it passes here, and fails where the bug is)."""
     from impl.target import Unsupported
     from impl.vllm.driver import Driver, EventRejected, InstrumentationError
-    from model.events import Schedule
+    from model.events import AddRequest, Drain, Schedule
+    from model.observations import LiveCounters
+    from properties.drain import drain
     from properties.invariants import Checker, Violation
 
     _check(trace)
@@ -134,10 +148,31 @@ def export_job(trace: Trace, name: str, found: tuple | None = None) -> tuple[str
                         build_raises=v.facts["error"]), utils_source())
 
     v, at = None, None
+    reqs: dict[str, Any] = {}
+    live = LiveCounters()  # as properties.replay folds them, for a Drain
+    last: list[Any] = [None]
+
+    def fed(e: Any) -> Any:
+        o = fed_plain(d, e, live, last)
+        found_here = checker.feed(e, o)
+        if found_here:
+            raise _Found(found_here[0])
+        return o
+
     for i, ev in enumerate(trace.events):
         d.script.append(("event", i))
+        if isinstance(ev, AddRequest):
+            reqs[ev.id] = ev
         try:
-            vs = checker.feed(ev, d.apply(ev))
+            if isinstance(ev, Drain):  # the engine's loop, its calls recorded
+                try:
+                    got = drain(trace.config, checker, last[0], reqs,
+                                lambda: [r for r in live.live() if r in reqs], fed, i)
+                except _Found as f:
+                    got = f.violation
+                vs = [got] if got is not None else []
+            else:
+                vs = checker.feed(ev, fed_plain(d, ev, live, last))
         except (EventRejected, InstrumentationError) as e:
             raise ExportError(f"event #{i} does not replay on vllm {d.version}: {e}") from None
         except Exception as e:  # noqa: BLE001 - vLLM raised: the test asserts it does not
@@ -178,9 +213,13 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
     tables = {e[1]: sorted(e[3]) for e in script if e[0] == "process" and e[3]}
     out: list[str] = []
     event = -1
+    ran: list[str] = []  # the scheduler outputs named so far
     crash_at = None  # the index of the call that raised: the last of event ``at``
     if f["fact"] == "raises":
         crash_at = max(k for k, e in enumerate(script) if e[0] != "event")
+    if f["fact"] == "stalls":  # its empty schedules are the assertion's
+        empty = [k for k, e in enumerate(script) if e == ("schedule", None)][-f["idle"]:]
+        script = [e for k, e in enumerate(script) if k not in empty]
     for k, e in enumerate(script):
         if k == crash_at:
             call = _call_line(e, tables)
@@ -210,6 +249,11 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
             for rid in tables.get(step, ()):
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
+            ran.append(f"s{step}")
+            if step == f.get("step") and f["fact"] == "state_clash":
+                # the table the worker runs the step with: the outputs' block ids
+                out.append(f"table = worker_block_ids([{', '.join(ran)}], {f['rid']!r})"
+                           f"[{f['group']}]")
         elif e[0] == "drafts":
             out += _call_line(e, tables).splitlines()
         elif e[0] == "reset":  # the engine's utility call
@@ -307,7 +351,30 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
     if f["fact"] == "raises":
         return ["assert error is None, (",
                 *_message("vLLM raised {type(error).__name__}: {error}"), ")"]
+    if f["fact"] == "stalls":
+        n, rids = f["idle"], f["rids"]
+        r = rids[0]
+        return [
+            f"outs = [scheduler.schedule() for _ in range({n})]",
+            f"req = scheduler.requests[{r!r}]",
+            "assert any(o.total_num_scheduled_tokens for o in outs), (",
+            *_message(f"nothing is in flight and schedule() scheduled nothing {n} times "
+                      f"in a row, while {r} has {{req.num_computed_tokens}} of "
+                      f"{{req.num_tokens}} tokens computed ({{req.status.name}})"),
+            ")",
+        ]
     rid, fact = f["rid"], f["fact"]
+    if fact == "state_clash":
+        (a, b), (x, y), i = f["slots"], f["positions"], f["accepted"]
+        return [
+            f"clash = len(table or ()) > {b} and table[{a}] == table[{b}] != 0",
+            "assert not clash, (",
+            *_message(f"step {f['step']} writes {rid}'s Mamba states after positions {x} "
+                      f"and {y} into slots {a} and {b} of its block table, both block "
+                      f"{{table[{a}]}}: the next step starts from the first if {i} draft(s) "
+                      f"are accepted, and the block holds the second"),
+            ")",
+        ]
     if fact in ("freed_while_read", "freed_before_settled"):
         lg = f["logical"]
         why = (f"while step {f['step']}, still in flight, reads position {f['position']}"
@@ -322,6 +389,9 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
         ]
     if fact == "reads_null":
         s, g = f["step"], f["group"]
+        if cfg.groups[g].retained:  # the lookahead reads below the window too
+            raise ExportError("reads of a sliding window with retained tokens are not "
+                              "stated yet")
         return [
             f"table = tables[{g}].req_to_blocks.get({rid!r}, [])",
             f"read = set() if start is None else {_read_blocks(cfg, g, B, rid)}",
@@ -381,7 +451,8 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
     if meta.get("fixed_by"):
         doc += passes_with(meta["fixed_by"])
     torch_used = any("torch." in ln for ln in spec_lines)
-    helpers = [f for f in ("attention", "build", "output", "propose", "reset_prefix_cache")
+    helpers = [f for f in ("attention", "build", "output", "propose", "reset_prefix_cache",
+                           "worker_block_ids")
                if any(f"{f}(" in ln for ln in body + spec_lines) or f == "build"]
     head = [
         "# SPDX-License-Identifier: Apache-2.0",
@@ -413,7 +484,9 @@ def _module(trace: Trace, name: str, v: Any, specs: dict[str, Any], body: list[s
                  else '"none"', '"none"'),
                 ("pipeline_parallel_size", pp, 1),
                 ("prefix_match_unit", cfg.prefix_match_unit or None, None),
-                ("num_speculative_tokens", cfg.spec_tokens, 0)]
+                ("num_speculative_tokens", cfg.spec_tokens, 0),
+                ("drafter", repr(cfg.drafter) if cfg.spec_tokens and cfg.drafter in
+                 ("eagle", "mtp") else None, None)]
     args += [f"{k}={v}" for k, v, default in optional if v != default]
     call = [f"scheduler, request = build(tmp_path, layers, {', '.join(args)})"]
     if build_raises:  # vLLM cannot build the scheduler of these layers
