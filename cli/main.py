@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--vllm-test test_null_read.py\nthe test makes vLLM's calls one by one "
                "(schedule(), update_from_output(), ...) and asserts on vLLM's objects at the "
                "step that breaks; its helpers go beside it (kvcheck_utils.py). What that form "
-               "does not state yet (EAGLE and MTP drafts, KV content facts, properties 3-7) "
+               "does not state yet (KV content facts, properties 3-6) "
                "is written as a replay of the trace. Needs vLLM (0.33 line) and pytest only")
     e.add_argument("trace")
     e.add_argument("--vllm-test", required=True, metavar="OUT.py",

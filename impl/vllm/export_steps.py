@@ -18,7 +18,12 @@ the checker saw the violation it asserts what vLLM itself holds
 * a step that reads positions a failed connector load left without KV: it
   starts past them;
 * a step whose output counts though it read a block whose connector load
-  failed in that same output: the request took the sampled token.
+  failed in that same output: the request took the sampled token;
+* a Mamba step whose states land in one block named at two slots of the
+  block table the scheduler's outputs hand the worker (``worker_block_ids``);
+* a drain (the engine's loop) in which schedule() runs nothing while a
+  request waits and nothing is in flight: the schedules that follow run
+  something.
 
 ``OUT.py`` imports its helpers from ``kvcheck_utils.py``, written beside it
 (the same text for every test). What this form cannot state yet raises
