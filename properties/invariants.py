@@ -424,6 +424,9 @@ class Checker:
         self.copy_held: Counter[tuple[str, int, int]] = Counter()
         self._early_copy_frees: list[tuple[int, list]] = []  # (block, copy record)
         self._copy_group: dict[tuple[int, int], int] = {}  # queued copy -> its group
+        # a copy's destination that got nothing -> (its source, whether another
+        # copy of the same step was to fill that source)
+        self._unfilled: dict[int, tuple[int, bool]] = {}
         # What every slot of a block holds: per offset, ``(key, step, rid)`` of
         # the KV a step (or a connector load) wrote there for the token prefix
         # ``key`` (model.tokens), or a string saying why it holds no valid KV.
@@ -855,11 +858,14 @@ class Checker:
         content, bad = self.content, self.bad
         got = [(src, dst, content.get(src), bad.get(src), self._copy_group.pop((src, dst), None))
                for src, dst in copies]
+        filled = {dst for _src, dst in copies}
         for src, dst, c, b, gi in got:
+            self._unfilled.pop(dst, None)
             if c is None:
                 if gi not in self._kv_groups:
                     content.pop(dst, None)
                 else:
+                    self._unfilled[dst] = (src, src in filled)
                     why = (f"no KV: it is a copy of block {src}, which held nothing when the "
                            f"copies before this step ran (a block handed out afresh, or one "
                            f"another copy of the same step was to fill)")
@@ -1315,9 +1321,15 @@ class Checker:
                         where = (f"position {a} reads {self._fmt_reads(g, a, P)} ({g.label()}) "
                                  f"but block {blk} (logical {lg}) holds, at position "
                                  f"{pos}{draft}, {self._what(got, whose, want)}")
+                    copied = (self._unfilled.get(blk) if isinstance(got, str)
+                              and got.startswith("no KV: it is a copy") else None)
                     self._v(2, f"step {pp.step} ({when}) computes {rid} positions "
                                f"[{pp.start}, {pp.end}); {where}",
-                            step=pp.step, rid=rid, block=blk)
+                            step=pp.step, rid=rid, block=blk,
+                            facts=None if copied is None or lg is None else
+                            {"fact": "copy_of_unfilled", "rid": rid, "step": pp.step,
+                             "group": gi, "logical": lg, "src": copied[0], "dst": blk,
+                             "chained": copied[1]})
                     return
                 if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
                     x, y = min(x, seen[1]), max(y, seen[2])

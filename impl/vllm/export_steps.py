@@ -21,6 +21,8 @@ the checker saw the violation it asserts what vLLM itself holds
   failed in that same output: the request took the sampled token;
 * a Mamba step whose states land in one block named at two slots of the
   block table the scheduler's outputs hand the worker (``worker_block_ids``);
+* a step's copy list whose copy reads a block another copy of the same
+  step fills (the worker gathers every source before it scatters);
 * a drain (the engine's loop) in which schedule() runs nothing while a
   request waits and nothing is in flight: the schedules that follow run
   something.
@@ -44,7 +46,8 @@ from model.events import Trace
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
 KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
-         "output_counts_after_failed_read", "raises", "stalls", "state_clash"}
+         "output_counts_after_failed_read", "raises", "stalls", "state_clash",
+         "copy_of_unfilled"}
 
 
 class ExportError(Exception):
@@ -369,6 +372,22 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
             ")",
         ]
     rid, fact = f["rid"], f["fact"]
+    if fact == "copy_of_unfilled":
+        if not f["chained"]:
+            raise ExportError("a copy of a block nothing filled before the step: "
+                              "not stated yet where no other copy was to fill it")
+        s, lg = f["step"], f["logical"]
+        return [
+            f"copies = s{s}.kv_cache_block_copies or []",
+            "filled = {c.dst_block_id for c in copies}",
+            "chained = [tuple(c) for c in copies if c.src_block_id in filled]",
+            "assert not chained, (",
+            *_message(f"step {s} copies (source, destination) {{chained}} whose source "
+                      f"another copy of the same step fills: the worker runs the copies "
+                      f"as one gather, then one scatter, so {rid}'s logical block {lg}, "
+                      f"read by step {s}, gets what its source held before: nothing"),
+            ")",
+        ]
     if fact == "state_clash":
         (a, b), (x, y), i = f["slots"], f["positions"], f["accepted"]
         return [
