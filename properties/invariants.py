@@ -751,7 +751,10 @@ class Checker:
                        f"Mamba state after position {a - 1}, which step {q.step} left at slot "
                        f"{r} (block {tp[r]}, {g.label()}), but {how}: the block names two "
                        f"slots of the worker's table",
-                    step=pp.step, rid=rid, block=tp[r])
+                    step=pp.step, rid=rid, block=tp[r],
+                    facts={"fact": "state_slot_shared", "rid": rid, "group": gi,
+                           "step": pp.step, "slots": (r, got[1]), "after": a - 1,
+                           "by": q.step, "held": got[0], "copied": got[1] == copied})
             return
 
     # ------------------------------------------------------------ items

@@ -20,7 +20,8 @@ the checker saw the violation it asserts what vLLM itself holds
 * a step whose output counts though it read a block whose connector load
   failed in that same output: the request took the sampled token;
 * a Mamba step whose states land in one block named at two slots of the
-  block table the scheduler's outputs hand the worker (``worker_block_ids``);
+  block table the scheduler's outputs hand the worker (``worker_block_ids``),
+  or that starts from a state in a block the table names at two slots;
 * a step's copy list whose copy reads a block another copy of the same
   step fills (the worker gathers every source before it scatters);
 * a drain (the engine's loop) in which schedule() runs nothing while a
@@ -47,7 +48,7 @@ UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
 KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
          "output_counts_after_failed_read", "raises", "stalls", "state_clash",
-         "copy_of_unfilled"}
+         "copy_of_unfilled", "state_slot_shared"}
 
 
 class ExportError(Exception):
@@ -258,7 +259,7 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
             ran.append(f"s{step}")
-            if step == f.get("step") and f["fact"] == "state_clash":
+            if step == f.get("step") and f["fact"] in ("state_clash", "state_slot_shared"):
                 # the table the worker runs the step with: the outputs' block ids
                 out.append(f"table = worker_block_ids([{', '.join(ran)}], {f['rid']!r})"
                            f"[{f['group']}]")
@@ -386,6 +387,18 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
                       f"another copy of the same step fills: the worker runs the copies "
                       f"as one gather, then one scatter, so {rid}'s logical block {lg}, "
                       f"read by step {s}, gets what its source held before: nothing"),
+            ")",
+        ]
+    if fact == "state_slot_shared":
+        (r, o), s = f["slots"], f["step"]
+        how = (f"step {f['by']}'s postprocess copied the state after position {f['held']}"
+               if f["copied"] else f"step {f['by']} wrote its state after {f['held']}")
+        return [
+            f"shared = len(table or ()) > {max(r, o)} and table[{r}] == table[{o}] != 0",
+            "assert not shared, (",
+            *_message(f"step {s} starts {rid} from the Mamba state after position "
+                      f"{f['after']} at slot {r} of its block table, block {{table[{r}]}}, "
+                      f"which the table also names at slot {o}, where {how}"),
             ")",
         ]
     if fact == "state_clash":
