@@ -1326,13 +1326,19 @@ class Checker:
                                  f"{pos}{draft}, {self._what(got, whose, want)}")
                     copied = (self._unfilled.get(blk) if isinstance(got, str)
                               and got.startswith("no KV: it is a copy") else None)
+                    facts = None
+                    if copied is not None and lg is not None:
+                        facts = {"fact": "copy_of_unfilled", "rid": rid, "step": pp.step,
+                                 "group": gi, "logical": lg, "src": copied[0], "dst": blk,
+                                 "chained": copied[1]}
+                    elif lg is None and isinstance(got, tuple):  # a step wrote over the sink
+                        facts = {"fact": "sink_overwritten", "rid": got[2], "step": got[1],
+                                 "group": gi, "block": blk, "reader": rid,
+                                 "read_by": pp.step,
+                                 "sink": list(g.spec.reserved_blocks(B))}
                     self._v(2, f"step {pp.step} ({when}) computes {rid} positions "
                                f"[{pp.start}, {pp.end}); {where}",
-                            step=pp.step, rid=rid, block=blk,
-                            facts=None if copied is None or lg is None else
-                            {"fact": "copy_of_unfilled", "rid": rid, "step": pp.step,
-                             "group": gi, "logical": lg, "src": copied[0], "dst": blk,
-                             "chained": copied[1]})
+                            step=pp.step, rid=rid, block=blk, facts=facts)
                     return
                 if seen is not None and seen[0] == v and x <= seen[2] and seen[1] <= y:
                     x, y = min(x, seen[1]), max(y, seen[2])

@@ -22,6 +22,8 @@ the checker saw the violation it asserts what vLLM itself holds
 * a Mamba step whose states land in one block named at two slots of the
   block table the scheduler's outputs hand the worker (``worker_block_ids``),
   or that starts from a state in a block the table names at two slots;
+* a request's block table holding a block the sink's attention keeps the
+  sink's KV in (physical blocks 1..S/B), written over by its step;
 * a step's copy list whose copy reads a block another copy of the same
   step fills (the worker gathers every source before it scatters);
 * a drain (the engine's loop) in which schedule() runs nothing while a
@@ -48,7 +50,7 @@ UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
 KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
          "output_counts_after_failed_read", "raises", "stalls", "state_clash",
-         "copy_of_unfilled", "state_slot_shared"}
+         "copy_of_unfilled", "state_slot_shared", "sink_overwritten"}
 
 
 class ExportError(Exception):
@@ -259,6 +261,9 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 out.append(f"ids{step} = scheduler.kv_cache_manager.get_block_ids("
                            f"{rid!r})[0]")
             ran.append(f"s{step}")
+            if step == f.get("step") and f["fact"] == "sink_overwritten":
+                out.append(f"table = scheduler.kv_cache_manager.get_block_ids("
+                           f"{f['rid']!r})[{f['group']}]  # as step {step} writes")
             if step == f.get("step") and f["fact"] in ("state_clash", "state_slot_shared"):
                 # the table the worker runs the step with: the outputs' block ids
                 out.append(f"table = worker_block_ids([{', '.join(ran)}], {f['rid']!r})"
@@ -387,6 +392,19 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
                       f"another copy of the same step fills: the worker runs the copies "
                       f"as one gather, then one scatter, so {rid}'s logical block {lg}, "
                       f"read by step {s}, gets what its source held before: nothing"),
+            ")",
+        ]
+    if fact == "sink_overwritten":
+        sink = f["sink"]
+        first, last = sink[0], sink[-1]
+        where = f"block {first}" if first == last else f"blocks {first}-{last}"
+        return [
+            f"handed = sorted(set(table) & set(range({first}, {last + 1})))",
+            "assert not handed, (",
+            *_message(f"step {f['step']} writes {rid}'s KV into its block(s) {{handed}}, "
+                      f"where the sink's attention keeps the sink's KV (physical {where}), "
+                      f"which every step reads (step {f['read_by']} for "
+                      f"{f['reader']})"),
             ")",
         ]
     if fact == "state_slot_shared":
