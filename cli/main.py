@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--hazard", choices=("ordered", "unordered"), default=None,
                    help="unordered: a KV-consumer connector may write freed blocks at once")
     f.add_argument("--prefix-caching", choices=("on", "off"), default=None)
-    f.add_argument("--block-size", type=int, default=None)
+    f.add_argument("--block-size", default=None, metavar="N|engine",
+                   help="tokens per block (1, 2, 4, 8, 16 or 32; default: drawn from 16, 4 "
+                        "and 8, small blocks whose edges short runs reach); engine (vLLM "
+                        "targets): the sizes vLLM builds for published models, Mamba "
+                        "hybrids padded to 80-544 (impl/vllm/layouts.py)")
     f.add_argument("--group-block-sizes", choices=("uniform", "mixed"), default="uniform",
                    help="mixed (--kind hybrid): groups of 1, 2 or 4 times the block size, as "
                         "vLLM plans layers whose pages differ; prefix hashes are then finer "
@@ -247,7 +251,9 @@ def cmd_fuzz(a) -> int:
     spec = FuzzSpec(target=a.target, kind=a.kind, policy=policy, depth=a.depth,
                     spec_tokens=a.spec_tokens, drafter=a.drafter, hazard=a.hazard,
                     prefix_caching=None if a.prefix_caching is None else a.prefix_caching == "on",
-                    block_size=a.block_size, external=not a.no_external, max_steps=a.steps,
+                    block_size=_block_size(a.block_size),
+                    layout="engine" if a.block_size == "engine" else "small",
+                    external=not a.no_external, max_steps=a.steps,
                     props=_parse_props(a.props), fail_loads=not a.no_failed_loads,
                     aligned_loads=not a.unaligned_loads, block_sizes=a.group_block_sizes,
                     match_unit=a.prefix_match_unit,
@@ -402,6 +408,16 @@ def _say_known(res, target: str) -> None:
         f = by_name(known, findings)
         where = f.path.relative_to(f.path.parents[2]) if f.path is not None else known
         print(f"known: {f.label}{how}: a bug already on file ({where})")
+    _say_layout(res.trace, target)
+
+
+def _say_layout(trace, target: str) -> None:
+    """Say where the counterexample's layout is one no published model builds."""
+    from impl.target import layout_note
+
+    note = layout_note(target, trace.config) if trace is not None else None
+    if note:
+        print(note)
 
 
 def _usable_json(path: str) -> None:
@@ -475,11 +491,25 @@ def _validate_spec(spec, a) -> None:
                          "Mamba) with prefix caching, n-gram drafts, uniform group block sizes "
                          "and a block size of 4 or more")
     if spec.block_size is not None and spec.block_size not in (1, 2, 4, 8, 16, 32):
-        raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32")
+        raise UsageError(f"--block-size {spec.block_size}: must be a power of two up to 32, "
+                         "or engine")
+    if spec.layout == "engine" and spec.block_sizes != "uniform":
+        raise UsageError("--block-size engine: uniform group block sizes (the engine's sizes "
+                         "are those of whole layouts)")
     if a.examples < 1 or (a.steps is not None and a.steps < 1):
         raise UsageError("--examples and --steps must be positive")
     if a.attention_every < 0:
         raise UsageError(f"--attention-every {a.attention_every}: must be >= 0 (0: never)")
+
+
+def _block_size(text: str | None) -> int | None:
+    """``--block-size``: a number, or None for ``engine`` and for none given."""
+    if text is None or text == "engine":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--block-size {text}: a number of tokens or engine") from None
 
 
 def _check_capabilities(target, spec) -> None:

@@ -55,6 +55,10 @@ class Capabilities:
     # its engine loop (model.streams.EngineState): "vllm" schedules only while
     # it has requests and queues empty steps; "sglang" runs empty iterations
     loop: str = "vllm"
+    # the block sizes its engine builds (--block-size engine): for attention
+    # layouts, and those it pads a Mamba hybrid to (impl.vllm.layouts); None:
+    # the target has no engine to build them
+    engine_blocks: tuple[int, tuple[int, ...]] | None = None
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
@@ -70,6 +74,11 @@ def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
                           f"--policy {spec.policy} applies to the reference target only")
     if caps.fixed_policy:
         spec.policy = caps.fixed_policy
+    if spec.layout == "engine":
+        if caps.engine_blocks is None:
+            raise Unsupported(f"target {target_name} has no engine whose block sizes "
+                              "--block-size engine could draw; name a vLLM target")
+        spec.engine_blocks = caps.engine_blocks
     for name, value, why in caps.pinned.get(spec.kind, ()):
         have = getattr(spec, name)
         if have is None:
@@ -90,6 +99,16 @@ class Target(Protocol):
 
     def can_apply(self, event: Event) -> bool:
         """Whether ``event`` is valid now (preconditions of the state machine)."""
+
+
+def layout_note(target_name: str, config: Config) -> str | None:
+    """One line where ``config``'s layout is one the target's engine builds
+    for no published model (vLLM: :func:`impl.vllm.layouts.note`)."""
+    if target_name.partition("@")[0] == "vllm":
+        from impl.vllm.layouts import note
+
+        return note(config)
+    return None
 
 
 def make_target(spec: str) -> Target:

@@ -150,6 +150,13 @@ class FuzzSpec:
     prefix_caching: bool | None = None
     stream_ordered: bool | None = None  # Config.stream_ordered (a target pins it)
     block_size: int | None = None
+    # "engine": the block sizes the target's engine builds (Capabilities.
+    # engine_blocks, filled in as engine_blocks by impl.target.fit_spec):
+    # attention layouts at its attention size, Mamba hybrids at the sizes it
+    # pads published models to; "small" (default): 4, 8 or 16, short runs reach
+    # a block's edge
+    layout: str = "small"
+    engine_blocks: tuple[int, tuple[int, ...]] | None = None
     # "mixed": a hybrid's groups draw block sizes of 1, 2 or 4 times B (vLLM's
     # page-size unification), so prefix hashes are finer than some groups' blocks
     block_sizes: str = "uniform"
@@ -174,6 +181,7 @@ class FuzzSpec:
                 + ("" if self.aligned_loads else "|unaligned")
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
                 + ("" if self.block_sizes == "uniform" else f"|{self.block_sizes}")
+                + ("" if self.layout == "small" else f"|{self.layout}")
                 + ("" if self.match_unit == "block" else f"|unit-{self.match_unit}")
                 + ("" if self.load_failure == "recompute" else f"|{self.load_failure}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
@@ -199,7 +207,8 @@ class RunStats:
 def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
     @st.composite
     def build(draw: Any) -> Config:
-        B = spec.block_size or draw(_sampled((16, 4, 8)))
+        engine = spec.engine_blocks if spec.layout == "engine" else None
+        B = spec.block_size or (engine[0] if engine else draw(_sampled((16, 4, 8))))
         # async (depth 2, vLLM's default) about half the time: the situations the
         # invariants are about need a step in flight, and PP depths stagger decodes
         depth = spec.depth or draw(_DEPTHS)
@@ -241,7 +250,8 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
             mixes = [] if drafted else [("sliding",), ("chunked_local",),
                                         ("sliding", "chunked_local")]
             if prefix and (not spec.external or spec.mamba_loads):
-                mixes += [("mamba",), ("sliding", "mamba")]
+                # no published family puts sliding windows beside Mamba
+                mixes += [("mamba",)] if engine else [("mamba",), ("sliding", "mamba")]
             if spec.block_sizes == "mixed":
                 # vLLM's chunked-local manager takes no block size but the
                 # scheduler's (an assertion in its find_longest_cache_hit),
@@ -260,6 +270,12 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
                 groups = draw(_mixed_block_sizes(groups, B))
         else:
             raise Unsupported(f"unknown kind {spec.kind!r}")
+        if engine and any(g.spec.holds_state for g in groups) and any(
+                not g.spec.holds_state and not g.draft for g in groups):
+            # a Mamba hybrid (a drafter's layer aside): the engine pads its
+            # blocks until one holds a state (full attention and Mamba take no
+            # parameter drawn at B)
+            B = draw(_sampled(engine[1]))
         budget = draw(_ints(max(spec_tokens + 1, B), 8 * B))
         # the longest request add_request draws (prompt 6B, outputs 2B or 5B)
         max_len = (11 if kind is not None and kind.long_outputs else 8) * B

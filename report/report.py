@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
+from impl.target import layout_note
 from model.events import AddRequest, Config, Event, Schedule, Trace
 from model.observations import (
     NULL,
@@ -1060,6 +1061,9 @@ def save_counterexample(res: ReplayResult, out: str | Path, name: str,
     from ``res`` (a replay of that trace). ``OSError`` if the trace cannot be
     written; a picture that cannot be drawn is listed in ``errors``."""
     trace = with_violation(res.trace, res)
+    note = layout_note(target or trace.meta.get("target") or "reference", trace.config)
+    if note:
+        trace = Trace(trace.config, trace.events, {**trace.meta, "layout": note})
     want = FILES if report else ("json",)
     return _write_group(res, out, name, target, trace, want, FILES)
 

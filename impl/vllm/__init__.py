@@ -177,6 +177,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.target import Capabilities, TargetCrash, TargetError, Unsupported
+from impl.vllm import layouts
 from impl.worker import WorkerDied, WorkerProcess, flight_from_env, in_worker
 from model.events import AddRequest, Config, Event, FailLoad, Preempt, Trace
 from model.observations import Observed
@@ -453,6 +454,7 @@ class VllmTarget:
             ordered_only={"cross": "vLLM runs encoder-decoder models without KV connectors"},
             kind_max_depth={"cross": (2, "vLLM runs encoder-decoder models without "
                                          "pipeline parallelism")},
+            engine_blocks=(layouts.attention_block_size(), layouts.hybrid_block_sizes()),
         )
         self._fail_hybrid = False  # FailLoad on this config's groups: see hybrid_failed_loads
         self._reset_mirror()
