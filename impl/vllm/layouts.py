@@ -110,6 +110,9 @@ def note(config: Any) -> str | None:
     multiple = int(table()["kernel_multiple"])
     if all(b % multiple == 0 for b in sizes):
         return None
+    if stateful:  # a pure Mamba model: no attention backend takes part
+        return (f"layout no published model builds: Mamba blocks of {_sizes(sizes)} tokens, "
+                f"where vLLM builds {attention_block_size()} unless told otherwise")
     return (f"layout no published model builds: blocks of {_sizes(sizes)} tokens, where vLLM "
             f"on CUDA builds {attention_block_size()} unless told otherwise and its "
             f"FlashAttention backend takes multiples of {multiple}")
