@@ -38,6 +38,14 @@ DRAFT_TOKEN = 9  # every draft token proposed
 CONNECTOR = "KvcheckTestConnector"
 
 
+class Loads(KVConnectorMetadata):
+    """A step's loads: per request, the block ids (per KV-cache group) that
+    its worker side writes in ``start_load_kv``."""
+
+    def __init__(self, blocks: dict[str, list[list[int]]]):
+        self.blocks = blocks
+
+
 class OfferingConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV consumer offering ``offers[req_id]`` prompt tokens once, loaded
     synchronously in the step that admits the request (its scheduler side
@@ -46,16 +54,28 @@ class OfferingConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.offers: dict[str, int] = {}
+        self.starts: dict[str, int] = {}
+        self.loading: dict[str, list[list[int]]] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         offered = self.offers.get(request.request_id, 0)
+        self.starts[request.request_id] = num_computed_tokens
         return max(0, offered - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self.offers.pop(request.request_id, None)
+        start = self.starts.pop(request.request_id, 0)
+        if num_external_tokens and self._kv_cache_config is not None:
+            end, loaded = start + num_external_tokens, []
+            groups = self._kv_cache_config.kv_cache_groups
+            for ids, group in zip(blocks.get_block_ids(), groups, strict=True):
+                size = group.kv_cache_spec.block_size
+                loaded.append(list(ids[start // size : -(-end // size)]))
+            self.loading[request.request_id] = loaded
 
     def build_connector_meta(self, scheduler_output):
-        return KVConnectorMetadata()
+        meta, self.loading = Loads(self.loading), {}
+        return meta
 
     def request_finished(self, request, block_ids):
         self.offers.pop(request.request_id, None)

@@ -426,7 +426,7 @@ class Checker:
         self._copy_group: dict[tuple[int, int], int] = {}  # queued copy -> its group
         # a copy's destination that got nothing -> (its source, whether another
         # copy of the same step was to fill that source)
-        self._unfilled: dict[int, tuple[int, bool]] = {}
+        self._unfilled: dict[int, tuple[int, bool, str | None]] = {}
         # What every slot of a block holds: per offset, ``(key, step, rid)`` of
         # the KV a step (or a connector load) wrote there for the token prefix
         # ``key`` (model.tokens), or a string saying why it holds no valid KV.
@@ -854,10 +854,29 @@ class Checker:
         self._copies.append([c, None])
         self._copy_group[(src, dst)] = c.group
 
-    def _run_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+    def _filled_by(self, s: StepObs) -> dict[int, str]:
+        """The blocks step ``s`` writes after its copies ran (the model runner
+        copies before ``start_load_kv`` and the forward): ``"load"`` where a
+        connector's load writes it, ``"forward"`` where only the forward does."""
+        out: dict[int, str] = {}
+        for rs in s.reqs:
+            for a, e, how in ((rs.start - rs.loaded, rs.start, "load"),
+                              (rs.start, rs.end, "forward")):
+                if e <= a:
+                    continue
+                for gi in self._kv_groups:
+                    B, table = self.Bs[gi], rs.tables[gi] if gi < len(rs.tables) else ()
+                    for b in table[a // B:-(-e // B)]:
+                        if b != NULL and out.get(b) != "load":
+                            out[b] = how
+        return out
+
+    def _run_copies(self, copies: tuple[tuple[int, int], ...],
+                    later: dict[int, str] | None = None) -> None:
         """The worker's copies before a step's forward, as one gather and one
         scatter (``blocks[dst] = blocks[src]``): every destination gets what
-        its source held before any of them was written."""
+        its source held before any of them was written. ``later``: the
+        blocks the step writes after the copies (:meth:`_filled_by`)."""
         content, bad = self.content, self.bad
         got = [(src, dst, content.get(src), bad.get(src), self._copy_group.pop((src, dst), None))
                for src, dst in copies]
@@ -868,7 +887,7 @@ class Checker:
                 if gi not in self._kv_groups:
                     content.pop(dst, None)
                 else:
-                    self._unfilled[dst] = (src, src in filled)
+                    self._unfilled[dst] = (src, src in filled, (later or {}).get(src))
                     why = (f"no KV: it is a copy of block {src}, which held nothing when the "
                            f"copies before this step ran (a block handed out afresh, or one "
                            f"another copy of the same step was to fill)")
@@ -1069,7 +1088,7 @@ class Checker:
         if self._early_copy_frees:
             self._check_early_copy_frees(s.step)
         if s.copies:
-            self._run_copies(s.copies)
+            self._run_copies(s.copies, self._filled_by(s))
         if self.bad:
             self._check_bad(s)
         for rs in s.reqs:  # every write of the step lands before any read (per layer)
@@ -1330,7 +1349,14 @@ class Checker:
                     if copied is not None and lg is not None:
                         facts = {"fact": "copy_of_unfilled", "rid": rid, "step": pp.step,
                                  "group": gi, "logical": lg, "src": copied[0], "dst": blk,
-                                 "chained": copied[1]}
+                                 "chained": copied[1], "filled_later": copied[2]}
+                    elif lg is not None and isinstance(got, tuple) and \
+                            key_position(want) != lg * B + o:
+                        # a draft layer's KV built with another continuation's token
+                        facts = {"fact": "reads_draft_of_other", "rid": rid, "step": pp.step,
+                                 "group": gi, "logical": lg, "block": blk,
+                                 "position": lg * B + o, "key": key_position(want),
+                                 "writer": got[2], "written_by": got[1]}
                     elif lg is None and isinstance(got, tuple):  # a step wrote over the sink
                         facts = {"fact": "sink_overwritten", "rid": got[2], "step": got[1],
                                  "group": gi, "block": blk, "reader": rid,

@@ -99,7 +99,7 @@ def test_module_is_what_the_exporter_writes(stem):
 @pytest.mark.vllm
 def test_the_helpers_are_what_the_exporter_writes():
     stem = next(s for s in EXPORTED if not _steps(s))
-    _, (name, text), _ = export(TRACES[stem], stem)
+    _, (name, text), _ = export(TRACES[stem], stem, "replaying")
     assert name == REPLAY_HELPERS.name and REPLAY_HELPERS.read_text() == text
     stem = next(s for s in EXPORTED if _steps(s))
     _, (name, utils), _ = export(TRACES[stem], stem)

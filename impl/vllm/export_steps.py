@@ -44,13 +44,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from model.events import Trace
+from model.events import AddRequest, Trace
 
 UTILS = Path(__file__).resolve().parent / "kvcheck_utils.py.in"  # a template
 KINDS = {"full", "sliding", "chunked_local", "mamba", "rswa", "sink"}
 FACTS = {"freed_while_read", "freed_before_settled", "reads_null", "reads_failed_load",
          "output_counts_after_failed_read", "raises", "stalls", "state_clash",
-         "copy_of_unfilled", "state_slot_shared", "sink_overwritten"}
+         "copy_of_unfilled", "state_slot_shared", "sink_overwritten", "reads_draft_of_other"}
 
 
 class ExportError(Exception):
@@ -251,7 +251,7 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 out.append("scheduler.schedule()  # nothing to run")
                 continue
             out.append(_call_line(e, tables))
-            if step == f.get("step") and f["fact"].startswith("reads"):
+            if step == f.get("step") and f["fact"] in ("reads_null", "reads_failed_load"):
                 r = f["rid"]  # where it runs at all (a fix may have ended it)
                 out += [f"start = None  # step {step} computes {r}'s [start, end)",
                         f"if {r!r} in s{step}.num_scheduled_tokens:",
@@ -264,6 +264,12 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
             if step == f.get("step") and f["fact"] == "sink_overwritten":
                 out.append(f"table = scheduler.kv_cache_manager.get_block_ids("
                            f"{f['rid']!r})[{f['group']}]  # as step {step} writes")
+            if step == f.get("step") and f["fact"] == "reads_draft_of_other":
+                upto = ran[:ran.index(f"s{f['written_by']}") + 1]
+                out += [f"mine = worker_block_ids([{', '.join(ran)}], {f['rid']!r})"
+                        f"[{f['group']}]",
+                        f"theirs = worker_block_ids([{', '.join(upto)}], {f['writer']!r})"
+                        f"[{f['group']}]"]
             if step == f.get("step") and f["fact"] in ("state_clash", "state_slot_shared"):
                 # the table the worker runs the step with: the outputs' block ids
                 out.append(f"table = worker_block_ids([{', '.join(ran)}], {f['rid']!r})"
@@ -278,7 +284,7 @@ def _steps(script: list[tuple], v: Any, at: int, trace: Trace, d: Any) -> list[s
                 out += [f"req = scheduler.requests[{f['rid']!r}]  # held: it may finish",
                         "before = req.num_output_tokens"]
             out.append(_call_line(e, tables))
-    out += _assertion(f, cfg, B)
+    out += _assertion(f, cfg, B, trace.events)
     # a step output nothing reads later is not named
     text = "\n".join(out)
     for i, ln in enumerate(out):
@@ -361,7 +367,7 @@ def _message(text: str, width: int = 64) -> list[str]:
     return [f'    f"{ln}"' if "{" in ln else f'    "{ln}"' for ln in lines]
 
 
-def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
+def _assertion(f: dict, cfg: Any, B: int, events: list) -> list[str]:
     if f["fact"] == "raises":
         return ["assert error is None, (",
                 *_message("vLLM raised {type(error).__name__}: {error}"), ")"]
@@ -379,10 +385,42 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
         ]
     rid, fact = f["rid"], f["fact"]
     if fact == "copy_of_unfilled":
+        s, lg = f["step"], f["logical"]
+        if f.get("filled_later") == "forward" and not f["chained"]:
+            g, Bg = f["group"], cfg.groups[f["group"]].block_size or B
+            return [
+                f"copies = s{s}.kv_cache_block_copies or []",
+                "filled = set()  # the blocks the step's forward writes, per request",
+                f"for r, n in s{s}.num_scheduled_tokens.items():",
+                "    end = scheduler.requests[r].num_computed_tokens",
+                f"    ids = scheduler.kv_cache_manager.get_block_ids(r)[{g}]",
+                f"    filled.update(ids[(end - n) // {Bg} : -(-end // {Bg})])",
+                "early = [tuple(c) for c in copies if c.src_block_id in filled]",
+                "assert not early, (",
+                *_message(f"step {s} copies (source, destination) {{early}} whose source "
+                          f"the same step's forward fills: the model runner runs "
+                          f"kv_cache_block_copies before the forward, so {rid}'s logical "
+                          f"block {lg}, read by step {s}, gets what its source held "
+                          f"before: nothing"),
+                ")",
+            ]
+        if f.get("filled_later") == "load" and not f["chained"]:
+            return [
+                f"copies = s{s}.kv_cache_block_copies or []",
+                f"loads = s{s}.kv_connector_metadata.blocks",
+                "loading = {b for ids in loads.values() for group in ids for b in group}",
+                "early = [tuple(c) for c in copies if c.src_block_id in loading]",
+                "assert not early, (",
+                *_message(f"step {s} copies (source, destination) {{early}} whose source "
+                          f"its connector loads in the same step: the model runner runs "
+                          f"kv_cache_block_copies before start_load_kv, so {rid}'s logical "
+                          f"block {lg}, read by step {s}, gets what its source held "
+                          f"before the load: nothing"),
+                ")",
+            ]
         if not f["chained"]:
             raise ExportError("a copy of a block nothing filled before the step: "
-                              "not stated yet where no other copy was to fill it")
-        s, lg = f["step"], f["logical"]
+                              "not stated yet where no other copy or load was to fill it")
         return [
             f"copies = s{s}.kv_cache_block_copies or []",
             "filled = {c.dst_block_id for c in copies}",
@@ -392,6 +430,22 @@ def _assertion(f: dict, cfg: Any, B: int) -> list[str]:
                       f"another copy of the same step fills: the worker runs the copies "
                       f"as one gather, then one scatter, so {rid}'s logical block {lg}, "
                       f"read by step {s}, gets what its source held before: nothing"),
+            ")",
+        ]
+    if fact == "reads_draft_of_other":
+        lg, w, pos, key = f["logical"], f["writer"], f["position"], f["key"]
+        prompts = {e.id: e.prompt_len for e in events if isinstance(e, AddRequest)}
+        theirs = (f"{w}'s prompt token {key}" if key < prompts.get(w, 0) else
+                  f"the token step {f['written_by']} samples for {w}")
+        mine = (f"{rid}'s prompt token {key}" if key < prompts.get(rid, 0) else
+                f"the token sampled for {rid}")
+        return [
+            f"shared = len(mine) > {lg} and len(theirs) > {lg} and mine[{lg}] == theirs[{lg}]",
+            "assert not shared, (",
+            *_message(f"step {f['step']} reads block {{mine[{lg}]}} as {rid}'s prefix "
+                      f"(logical block {lg}), which step {f['written_by']} wrote for {w}: "
+                      f"its EAGLE draft KV at position {pos} is built with the token at "
+                      f"position {key}, {theirs}, not {mine}"),
             ")",
         ]
     if fact == "sink_overwritten":
