@@ -239,6 +239,8 @@ def _summary(res, verbose: bool = True, asked: int | None = None) -> str:
 
         wl = ", ".join(f"{k} {st.witness.get(k, 0)}" for k in WITNESSES)
         lines.append(f"witnesses: {wl}")
+    for w, why in sorted(st.unrequired.items()):
+        lines.append(f"not required of {res.spec.target}: {w} ({why})")
     return "\n".join(lines)
 
 

@@ -46,10 +46,6 @@ class Capabilities:
     ordered_only: dict[str, str] = field(default_factory=dict)
     # kinds the target runs at fewer steps in flight than max_depth: (depth, why)
     kind_max_depth: dict[str, tuple[int, str]] = field(default_factory=dict)
-    # the engine's call that preempts one chosen request (a Preempt event), if
-    # it has one; None: preemption only inside schedule(), at an abort, at a
-    # ResetPrefixCache
-    preempt_call: str | None = None
     # whether the target takes ResetPrefixCache
     resets: bool = True
     # its engine loop (model.streams.EngineState): "vllm" schedules only while
@@ -59,6 +55,10 @@ class Capabilities:
     # layouts, and those it pads a Mamba hybrid to (impl.vllm.layouts); None:
     # the target has no engine to build them
     engine_blocks: tuple[int, tuple[int, ...]] | None = None
+    # per kind, witnesses the target's engine does not reach in runs of a
+    # fuzz's size, so a run is not judged vacuous for lacking them: (witness,
+    # why); the run names them (RunStats.unrequired)
+    unrequired: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
 
 def fit_spec(target_name: str, caps: Capabilities, spec) -> None:

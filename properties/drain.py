@@ -55,10 +55,13 @@ def fits_alone(cfg: Config, req: AddRequest, counters: Counters | None, reserved
 
 def drain(cfg: Config, checker: Checker, counters: Counters | None,
           reqs: dict[str, AddRequest], live: Callable[[], list[str]],
-          apply: Callable[[Event], Observed], event_index: int) -> Violation | None:
+          apply: Callable[[Event], Observed], event_index: int,
+          can: Callable[[Event], bool] | None = None) -> Violation | None:
     """Run the engine loop through ``apply`` until ``live()`` is empty; the
     property-7 violation if it is not within the limit (None: finished, or not
-    judged because a request cannot fit alone)."""
+    judged because a request cannot fit alone). ``can``: whether the target's
+    loop takes an event now (SGLang's overlap loop processes the batch in
+    flight right after an iteration that scheduled nothing)."""
     rids = live()
     if not rids:
         return None
@@ -70,7 +73,7 @@ def drain(cfg: Config, checker: Checker, counters: Counters | None,
         if not checker.live_requests():
             checker.witness["drained"] += 1
             return None
-        if checker.in_flight_steps() < cfg.depth:
+        if checker.in_flight_steps() < cfg.depth and (can is None or can(Schedule())):
             busy = checker.busy_steps()
             obs = apply(Schedule())
             steps = [it for it in obs.items if isinstance(it, StepObs)]

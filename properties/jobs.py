@@ -239,6 +239,7 @@ def merge(spec: FuzzSpec, results: list[FuzzResult]) -> FuzzResult:
         stats.events.update(r.stats.events)
         stats.witness.update(r.stats.witness)
         stats.expected |= r.stats.expected
+        stats.unrequired.update(r.stats.unrequired)
         stats.refused.update(r.stats.refused)
         stats.layouts.update(r.stats.layouts)
         stats.on_base += r.stats.on_base

@@ -6,9 +6,8 @@ policy, and the knobs fixed on the command line; :func:`make_machine`); its
 :func:`config_strategy`, and its rules then interleave the events of
 docs/DESIGN.md. Preconditions come from the checker's shadow of the observations,
 so every target is driven the same way. An added request's id goes into the
-``requests`` Bundle, which Finish / Abort consume and Preempt (on a target
-with such a call) draws from; a rule's choices are one draw each (its
-arguments, or one strategy built per config), and the FailLoad rule exists
+``requests`` Bundle, which Finish / Abort consume; a rule's choices are one
+draw each (its arguments, or one strategy built per config), and the FailLoad rule exists
 only where loads can fail. The rules compose only orders the engine's loop
 can take (``EngineCore.step_with_batch_queue``): a Schedule while the batch
 queue, empty steps included, has room and the scheduler has requests;
@@ -62,7 +61,6 @@ from model.events import (
     FailLoad,
     Finish,
     Group,
-    Preempt,
     Process,
     ResetPrefixCache,
     Schedule,
@@ -193,6 +191,8 @@ class RunStats:
     events: Counter = field(default_factory=Counter)
     witness: Counter = field(default_factory=Counter)
     expected: set = field(default_factory=set)
+    # witnesses the target says its engine does not reach (Capabilities.unrequired): why
+    unrequired: dict = field(default_factory=dict)
     refused: Counter = field(default_factory=Counter)  # what the target could not take
     refusals: Counter = field(default_factory=Counter)  # the target's words for it
     # examples run per group mix ("full+mamba"; "draft": a drafter's own group)
@@ -482,7 +482,9 @@ class KVMachine(RuleBasedStateMachine):
         # property 7's drain at the end of about half the examples
         self.drain = drain and 7 in self.spec.props
         cls.stats.examples += 1
-        cls.stats.expected |= expected_witnesses(cfg)
+        skip = dict(cls.target.capabilities.unrequired.get(self.spec.kind, ()))
+        cls.stats.expected |= expected_witnesses(cfg) - skip.keys()
+        cls.stats.unrequired.update(skip)
         if 7 in self.spec.props:
             cls.stats.expected.add("drained")
         try:
@@ -509,13 +511,11 @@ class KVMachine(RuleBasedStateMachine):
             cls.on_example("setup", self)
 
     # A request enters the ``requests`` Bundle when it is added; Finish / Abort
-    # consume it, Preempt (where the target has one) draws it. A request also
-    # ends on its own (its last token, a failed load under the 'fail' policy),
-    # and its id stays in the
-    # Bundle: the draws filter on the request still running (holding blocks,
-    # for Preempt), so an ended id costs no step and records no event, and the
-    # preconditions ask that one such request exists (a filter that matches
-    # nothing would reject the example).
+    # consume it. A request also ends on its own (its last token, a failed load
+    # under the 'fail' policy), and its id stays in the Bundle: the draws filter
+    # on the request still live, so an ended id costs no step and records no
+    # event, and the precondition asks that one such request exists (a filter
+    # that matches nothing would reject the example).
     requests: ClassVar[Bundle] = Bundle("requests")
 
     @precondition(lambda self: self.cfg is not None and len(self._live()) < MAX_REQUESTS
@@ -589,17 +589,10 @@ class KVMachine(RuleBasedStateMachine):
             self._memo["holding"] = held
         return held
 
-    # Preemption as the engine preempts: inside schedule() under pool pressure
-    # (the pools drawn are small), at an abort, and at the utility call that
-    # preempts every running request (drawn in the schedule rule). A Preempt
-    # of one chosen request only where the target's engine has such a call
-    # (Capabilities.preempt_call).
-    @precondition(lambda self: self.checker is not None
-                  and type(self).target.capabilities.preempt_call is not None
-                  and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
-    @rule(req=requests.filter(lambda r: r.rid in r.machine._holding()))
-    def preempt(self, req: RequestRef) -> None:
-        self._apply(Preempt(req.rid))
+    # Preemption only as the engines preempt: inside schedule() under pool
+    # pressure (the pools drawn are small), at an abort, and at the utility
+    # call that preempts every running request (drawn in the schedule rule);
+    # no rule draws a Preempt of one chosen request (model.events.Preempt).
 
     def _loading(self) -> list[tuple[str, int, int]]:
         out = self._memo.get("loading")
@@ -650,7 +643,8 @@ class KVMachine(RuleBasedStateMachine):
         cls.stats.events["Drain"] += 1
         reqs = {e.id: e for e in self.events if isinstance(e, AddRequest)}
         v = drain(self.cfg, self.checker, self.counters, reqs, self._live,
-                  lambda ev: self._apply(ev, record=False), len(self.events) - 1)
+                  lambda ev: self._apply(ev, record=False), len(self.events) - 1,
+                  getattr(cls.target, "can_apply", None))
         if v is not None:
             self._fail(v)
 
@@ -849,6 +843,7 @@ class FuzzResult:
             "event_counts": dict(sorted(st.events.items())),
             "witnesses": dict(st.witness),
             "vacuous": self.vacuous,
+            "unrequired": dict(sorted(st.unrequired.items())),
             "refused": dict(st.refused),
             "layouts": dict(st.layouts),
             "trace": trace_path,

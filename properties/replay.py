@@ -104,7 +104,8 @@ def replay(trace: Trace, target: Target | str = "reference", stop_at_first: bool
                 return o
 
             try:
-                v = drain(trace.config, checker, last_counters, reqs, live, step, i)
+                v = drain(trace.config, checker, last_counters, reqs, live, step, i,
+                          getattr(tgt, "can_apply", None))
             except _Stop:
                 break
             except TargetCrash as e:

@@ -69,6 +69,8 @@ from . import compat
 # SGLANG_SWA_EVICTION_INTERVAL tokens; kvcheck fuzzes every token
 EVICTION_INTERVAL = "1"
 SAMPLED = 7  # every sampled token (the reference's stream)
+NO_RETRACT_CALL = ("SGLang has no call that retracts one chosen request: retract_decode "
+                   "runs inside update_running_batch when check_decode_mem fails")
 
 
 class ConfigUnsupported(ValueError):
@@ -106,6 +108,9 @@ class Driver:
     def reset(self, cfg: Config) -> Observed:
         torch = self.torch
         from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (
+            NewTokenRatioTracker,
+        )
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
@@ -138,6 +143,9 @@ class Driver:
             max_running_requests=cfg.max_num_seqs,
             disable_radix_cache=not cfg.prefix_caching, **spec))
         self.spec_algo = SpeculativeAlgorithm.NGRAM if K else SpeculativeAlgorithm.NONE
+        # the scheduler's estimate of the tokens a running request will still
+        # decode: 0.7 at start, decayed per decode, reset by each retraction
+        self.ratio = NewTokenRatioTracker.from_config()
         # SGLang's req_to_token row: the context and get_req_to_token_extra_context_len
         # (the draft over-allocation); ours is 2B + 1 wider, so that a row SGLang would
         # overrun is seen (property 5, bound below) rather than written past
@@ -332,8 +340,6 @@ class Driver:
             self._schedule()
         elif t is Process:
             self._process(ev)
-        elif t is Preempt:
-            self._preempt(ev.id)
         else:
             self._end(ev.id, "finish" if t is Finish else "abort")
         return Observed(self.items, self._counters())
@@ -344,33 +350,24 @@ class Driver:
         if t is Process and self.overlap and len(self.queue) < 2 and not self.may_process:
             return ("the overlap loop processes a batch's result after scheduling the next "
                     "one; with one batch in flight, only after a Schedule that found nothing")
+        if t is not Process and self.overlap and self.may_process and self.queue:
+            return ("an iteration of the overlap loop that schedules nothing processes the "
+                    "batch in flight before it ends (pop_and_process)")
         if t is AddRequest and ev.external_tokens:
             return "no connector loads here (HiCache is not driven)"
         if t is ResetPrefixCache:
             return "SGLang's flush_cache runs only with no request in the scheduler"
-        rid = getattr(ev, "id", None)
         if t is Preempt:
-            req = self.reqs.get(rid)
-            if req is None or req not in self._decoding():
-                return ("SGLang retracts only requests of the running batch (the chunked "
-                        "request and waiting ones are not in it)")
+            return NO_RETRACT_CALL
         return None
-
-    def _decoding(self) -> list:
-        """The requests of the running batch as the next iteration's merge makes
-        it: the running batch and the last prefill batch but its chunked request."""
-        out = list(self.running.reqs)
-        last = self.last_batch
-        if last is not None and last.forward_mode.is_extend():
-            out += [r for r in last.reqs if r is not self.chunked_req and r is not
-                    last.chunked_req and not r.finished()]
-        return out
 
     def _add(self, ev: AddRequest) -> None:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        sp = SamplingParams(max_new_tokens=ev.max_new_tokens, ignore_eos=True)
+        # no EOS token is configured, so a request ends at max_new_tokens, but is
+        # admitted as SGLang admits one that may stop early (new_token_ratio)
+        sp = SamplingParams(max_new_tokens=ev.max_new_tokens)
         sp.normalize(None)
         ids = array("q", (prompt_token(t, ev.variant) for t in range(ev.prompt_len)))
         req = Req(ev.id, "", ids, sp)
@@ -418,7 +415,7 @@ class Driver:
             running.batch_is_full = False
         running.batch_is_full = False  # is_hybrid_swa / an empty batch re-open admission
         if self.waiting or self.chunked_req is not None:
-            adder = PrefillAdder(B, self.cache, self.alloc, running, 0.0,
+            adder = PrefillAdder(B, self.cache, self.alloc, running, self.ratio.current,
                                  cfg.max_num_batched_tokens, cfg.max_num_batched_tokens, 0,
                                  max_running_requests=cfg.max_num_seqs)
             if self.chunked_req is not None:
@@ -463,6 +460,8 @@ class Driver:
         if batch is None and not running.is_empty():
             batch = self._update_running(running)
         self.last_batch = batch
+        if batch is None and (not self.overlap or last is None):
+            self.ratio.reset()  # on_idle
         if batch is None or batch.is_empty():
             self.last_batch = batch if batch is not None and not batch.is_empty() else None
             self.may_process = True
@@ -523,13 +522,15 @@ class Driver:
                 batch.batch_is_full = False
                 return None
             self.reason = "preempt"
-            retracted, _, aborted = batch.retract_decode()
+            retracted, self.ratio.current, aborted = batch.retract_decode()
             for req in retracted:
                 self._retracted(req)
             for req in aborted:  # out of memory even after retracting the others
                 self._release_aborted(req)
             if batch.is_empty():
                 return None
+        else:
+            self.ratio.decay_step()
         self.reason = "window"
         batch.prepare_for_decode()
         return batch
@@ -642,18 +643,6 @@ class Driver:
         self.tables.pop(rid, None)
         self.just_finished.append(rid)
 
-    def _preempt(self, rid: str) -> None:
-        """A retraction of ``rid`` as retract_decode makes one: release_req."""
-        batch = self.running
-        if not any(r.rid == rid for r in batch.reqs):
-            batch = self.last_batch  # admitted by the batch in flight: merged next iteration
-        idx = next(i for i, r in enumerate(batch.reqs) if r.rid == rid)
-        req = batch.reqs[idx]
-        self.reason = "preempt"
-        batch.release_req(idx, len(batch.reqs) - 1)
-        batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != idx])
-        self._retracted(req)
-
     def _end(self, rid: str, why: str) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_MATCHED_STR
 
@@ -710,8 +699,9 @@ def unsupported(cfg: Config) -> str | None:
     B = cfg.block_size
     if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
         # the sliding layout's full-attention pool has the SWA pool's size
-        return (f"{cfg.num_blocks - 1} pages of {B}: SGLang's PrefillAdder admits an "
-                f"ignore-EOS request only with room for its paged prompt, every new token and "
-                f"a reserve in each pool, so one request of max_model_len {cfg.max_model_len} "
-                f"needs {-(-(cfg.max_model_len + 2 * B) // B)} pages")
+        return (f"{cfg.num_blocks - 1} pages of {B}: SGLang's PrefillAdder admits a "
+                f"request only with room for its paged prompt, every new token and a "
+                f"reserve in each pool, and a request left alone that outgrows the pool "
+                f"is aborted, so one request of max_model_len {cfg.max_model_len} needs "
+                f"{-(-(cfg.max_model_len + 2 * B) // B)} pages")
     return None

@@ -28,8 +28,11 @@ What runs
 
 How an event runs
 -----------------
-* AddRequest: a ``Req`` (prompt ``model.tokens.prompt_token``, ``max_new_tokens``,
-  EOS ignored) appended to the waiting queue; external tokens are refused
+* AddRequest: a ``Req`` (prompt ``model.tokens.prompt_token``, ``max_new_tokens``;
+  no EOS token is configured, so it ends at ``max_new_tokens``, but it is not
+  ``ignore_eos``: ``PrefillAdder`` reserves ``new_token_ratio`` of a running
+  request's remaining tokens, the ratio kept as ``NewTokenRatioTracker``
+  keeps it) appended to the waiting queue; external tokens are refused
   (``can_apply`` False). Its prefix is matched when ``PrefillAdder`` considers
   it (``init_next_round_input``: ``match_prefix``, the hit locked by
   ``add_one_req``).
@@ -67,11 +70,13 @@ How an event runs
   overlap loop's over-scheduled tokens): ProcessObs.discarded. In the overlap
   loop a batch's result is processed after the next batch is scheduled: with
   one batch in flight a Process is valid only after a Schedule that found
-  nothing.
-* Preempt: the retraction ``retract_decode`` makes of that request
-  (``ScheduleBatch.release_req``, then ``reset_for_retract``; back to the
-  waiting queue, recomputed from its prompt and outputs). Only requests of the
-  running decode batch.
+  nothing, and then it comes next (that iteration's ``pop_and_process``).
+* Preempt: not taken. SGLang has no call that retracts one chosen request;
+  ``retract_decode`` runs inside ``update_running_batch`` when
+  ``check_decode_mem`` fails (the pools drawn are small), and that is the
+  only retraction driven (``ScheduleBatch.release_req``, then
+  ``reset_for_retract``; back to the waiting queue, recomputed from its
+  prompt and outputs).
 * Finish / Abort: ``abort_request``'s paths: a waiting request leaves the
   queue, the chunked one is released at the next iteration's start
   (``process_pending_chunked_abort``), a running one when its next result is
@@ -132,10 +137,13 @@ class SglangTarget:
                               f"{compat.install_command(version)}")
         self.version = version
         self.name = f"sglang@{version}"
+        rare = (("preempt_in_flight", "SGLang retracts only when check_decode_mem fails, "
+                 "and its PrefillAdder admits with a reserve of new_token_ratio: about one "
+                 "example in 2,000"),)
         self.capabilities = Capabilities(kinds=frozenset({"full", "sliding"}), max_depth=2,
                                          fixed_policy="sglang", pinned=_pins(version),
-                                         preempt_call="retract_decode's release_req",
-                                         resets=False, loop="sglang")
+                                         resets=False, loop="sglang",
+                                         unrequired={"full": rare, "sliding": rare})
         self._driver: Any = None
         self._config: Config | None = None
         self._state: EngineState | None = None
