@@ -66,3 +66,21 @@ def test_engine_block_sizes_need_an_engine():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "has no engine" in p.stderr, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_every_saved_vllm_trace_says_whether_a_published_model_builds_its_layout():
+    from impl.target import layout_note
+    from model.events import Trace
+
+    paths = [*ROOT.glob("traces/vllm/*.json"), *ROOT.glob("findings/[0-9]*/*.json"),
+             *ROOT.glob("findings/fixes/*.json")]
+    assert len(paths) > 40
+    wrong, noted = [], 0
+    for p in paths:
+        t = Trace.load(p)
+        note = layout_note(t.meta.get("target", "vllm"), t.config)
+        noted += note is not None
+        if t.meta.get("layout") != note:
+            wrong.append(f"{p.relative_to(ROOT)}: {t.meta.get('layout')!r}, not {note!r}")
+    assert not wrong, "\n".join(wrong)
+    assert 0 < noted < len(paths)  # some traces are at sizes the engine builds
