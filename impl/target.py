@@ -17,6 +17,11 @@ from typing import Protocol
 from model.events import KINDS, Config, Event
 from model.observations import Observed
 
+# the block sizes a fuzz draws on a target that names none of its own
+# (Capabilities.small_blocks): vLLM's default 16 first, then 4 and 8, whose
+# edges a run of 30 events reaches in decode
+SMALL_BLOCKS = (16, 4, 8)
+
 
 class TargetError(RuntimeError):
     """The target cannot run (unsupported version, missing install): exit 3."""
@@ -55,6 +60,13 @@ class Capabilities:
     # layouts, and those it pads a Mamba hybrid to (impl.vllm.layouts); None:
     # the target has no engine to build them
     engine_blocks: tuple[int, tuple[int, ...]] | None = None
+    # the block (page) sizes a fuzz draws where none is given (the first is
+    # where shrinking goes): small ones whose edges a short run reaches
+    small_blocks: tuple[int, ...] = SMALL_BLOCKS
+    # the engine's call that preempts one chosen request (a Preempt event), if
+    # it has one; None: preemption only inside schedule(), at an abort, at a
+    # ResetPrefixCache (vLLM), or in update_running_batch (SGLang)
+    preempt_call: str | None = None
     # per kind, witnesses the target's engine does not reach in runs of a
     # fuzz's size, so a run is not judged vacuous for lacking them: (witness,
     # why); the run names them (RunStats.unrequired)
@@ -74,6 +86,7 @@ def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
                           f"--policy {spec.policy} applies to the reference target only")
     if caps.fixed_policy:
         spec.policy = caps.fixed_policy
+    spec.small_blocks = caps.small_blocks
     if spec.layout == "engine":
         if caps.engine_blocks is None:
             raise Unsupported(f"target {target_name} has no engine whose block sizes "

@@ -101,11 +101,12 @@ class Process:
 class Preempt:
     """Preempt request ``id``: all its blocks go back, it recomputes later.
 
-    No target runs it, and the fuzzer draws none: vLLM has no call that
-    preempts one chosen request (it preempts inside ``schedule()`` under pool
-    pressure, at an abort, or all running requests at once,
-    :class:`ResetPrefixCache`), nor SGLang (it retracts inside
-    ``update_running_batch``). A trace holding one is refused with one line."""
+    Only on a target whose engine has a call that preempts one chosen request
+    (``Capabilities.preempt_call``). vLLM has none: it preempts inside
+    ``schedule()`` under pool pressure, at an abort, or all running requests
+    at once (:class:`ResetPrefixCache`); nor has SGLang (it retracts inside
+    ``update_running_batch``). A trace holding one is refused there with one
+    line."""
 
     id: str
 

@@ -58,7 +58,14 @@ from model.observations import (
     StepObs,
 )
 from model.tokens import describe_key, key_position, prefix_key
-from model.windows import cached_reads, freeable_blocks, live_bound, read_blocks, reads
+from model.windows import (
+    cached_reads,
+    freeable_blocks,
+    live_bound,
+    read_blocks,
+    reads,
+    skipped,
+)
 
 PROPERTIES = {
     1: "freed-while-read",
@@ -91,6 +98,9 @@ WITNESSES = {
                            "under unordered)",
     "cache_evicted": "a block the prefix cache kept, handed out afresh (evicted)",
     "window_edge_crossing": "a window edge crossing a block edge (a block became freeable)",
+    "window_free_at_edge": "an out-of-window free of a block ending within a token of the "
+                           "first position still read (a threshold a token or two off frees "
+                           "a block still read here)",
     "pool_drained": "every free block handed out (a pool that leaked reserved blocks would "
                     "hand them out here)",
     "preempt_in_schedule": "schedule() preempted a request under pool pressure",
@@ -344,6 +354,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
     if local:
         out.add("window_edge_crossing")
         out.add("window_free")
+    if any(g.kind == "sliding" for g in cfg.groups):
+        out.add("window_free_at_edge")
     if cfg.depth >= 2 and local:
         out.add("free_while_in_flight")
     if cfg.spec_tokens and local:
@@ -979,6 +991,11 @@ class Checker:
         if f.reason == "window":
             req.window_freed += 1
             self.witness["window_free"] += 1
+            # the first position still read: by the oldest step in flight, else the next
+            live = self._live_pending(f.rid)
+            first = skipped(self.cfg.groups[f.group], min((pp.start for pp in live), default=req.p))
+            if 0 <= first - (f.logical + 1) * self.Bs[f.group] <= 1:
+                self.witness["window_free_at_edge"] += 1
             if self._live_pending(f.rid):
                 self.witness["free_while_in_flight"] += 1
                 self._check_window_free(f, req.p)

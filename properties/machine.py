@@ -6,8 +6,9 @@ policy, and the knobs fixed on the command line; :func:`make_machine`); its
 :func:`config_strategy`, and its rules then interleave the events of
 docs/DESIGN.md. Preconditions come from the checker's shadow of the observations,
 so every target is driven the same way. An added request's id goes into the
-``requests`` Bundle, which Finish / Abort consume; a rule's choices are one
-draw each (its arguments, or one strategy built per config), and the FailLoad rule exists
+``requests`` Bundle, which Finish / Abort consume and Preempt (on a target
+with such a call) draws from; a rule's choices are one draw each (its
+arguments, or one strategy built per config), and the FailLoad rule exists
 only where loads can fail. The rules compose only orders the engine's loop
 can take (``EngineCore.step_with_batch_queue``): a Schedule while the batch
 queue, empty steps included, has room and the scheduler has requests;
@@ -51,7 +52,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from impl.target import Target, TargetCrash, Unsupported, make_target
+from impl.target import SMALL_BLOCKS, Target, TargetCrash, Unsupported, make_target
 from model.events import (
     Abort,
     AddRequest,
@@ -61,6 +62,7 @@ from model.events import (
     FailLoad,
     Finish,
     Group,
+    Preempt,
     Process,
     ResetPrefixCache,
     Schedule,
@@ -154,6 +156,9 @@ class FuzzSpec:
     # pads published models to; "small" (default): 4, 8 or 16, short runs reach
     # a block's edge
     layout: str = "small"
+    # the small sizes drawn (the first is where shrinking goes): the target's
+    # (Capabilities.small_blocks, filled in by impl.target.fit_spec)
+    small_blocks: tuple[int, ...] = SMALL_BLOCKS
     engine_blocks: tuple[int, tuple[int, ...]] | None = None
     # "mixed": a hybrid's groups draw block sizes of 1, 2 or 4 times B (vLLM's
     # page-size unification), so prefix hashes are finer than some groups' blocks
@@ -180,6 +185,8 @@ class FuzzSpec:
                 + ("" if self.drafter == "ngram" else f"|{self.drafter}")
                 + ("" if self.block_sizes == "uniform" else f"|{self.block_sizes}")
                 + ("" if self.layout == "small" else f"|{self.layout}")
+                + ("" if self.small_blocks == SMALL_BLOCKS
+                   else "|pages" + "-".join(map(str, self.small_blocks)))
                 + ("" if self.match_unit == "block" else f"|unit-{self.match_unit}")
                 + ("" if self.load_failure == "recompute" else f"|{self.load_failure}")
                 + ("" if len(self.props) == 7 else f"|p{''.join(map(str, sorted(self.props)))}"))
@@ -208,7 +215,7 @@ def config_strategy(spec: FuzzSpec) -> st.SearchStrategy[Config]:
     @st.composite
     def build(draw: Any) -> Config:
         engine = spec.engine_blocks if spec.layout == "engine" else None
-        B = spec.block_size or (engine[0] if engine else draw(_sampled((16, 4, 8))))
+        B = spec.block_size or (engine[0] if engine else draw(_sampled(spec.small_blocks)))
         # async (depth 2, vLLM's default) about half the time: the situations the
         # invariants are about need a step in flight, and PP depths stagger decodes
         depth = spec.depth or draw(_DEPTHS)
@@ -511,11 +518,12 @@ class KVMachine(RuleBasedStateMachine):
             cls.on_example("setup", self)
 
     # A request enters the ``requests`` Bundle when it is added; Finish / Abort
-    # consume it. A request also ends on its own (its last token, a failed load
-    # under the 'fail' policy), and its id stays in the Bundle: the draws filter
-    # on the request still live, so an ended id costs no step and records no
-    # event, and the precondition asks that one such request exists (a filter
-    # that matches nothing would reject the example).
+    # consume it, Preempt (where the target has one) draws it. A request also
+    # ends on its own (its last token, a failed load under the 'fail' policy),
+    # and its id stays in the Bundle: the draws filter on the request still
+    # running (holding blocks, for Preempt), so an ended id costs no step and
+    # records no event, and the preconditions ask that one such request exists
+    # (a filter that matches nothing would reject the example).
     requests: ClassVar[Bundle] = Bundle("requests")
 
     @precondition(lambda self: self.cfg is not None and len(self._live()) < MAX_REQUESTS
@@ -589,10 +597,19 @@ class KVMachine(RuleBasedStateMachine):
             self._memo["holding"] = held
         return held
 
-    # Preemption only as the engines preempt: inside schedule() under pool
-    # pressure (the pools drawn are small), at an abort, and at the utility
-    # call that preempts every running request (drawn in the schedule rule);
-    # no rule draws a Preempt of one chosen request (model.events.Preempt).
+    # Preemption as the engine preempts: inside schedule() under pool pressure
+    # (the pools drawn are small), at an abort, and at the utility call that
+    # preempts every running request (drawn in the schedule rule). A Preempt
+    # of one chosen request only where the target's engine has such a call
+    # (Capabilities.preempt_call; neither vLLM nor SGLang has one). The rule
+    # stays in the rule list either way: the list is part of what every
+    # recorded seed draws (the mutant rows, docs/gate-sweep.json).
+    @precondition(lambda self: self.checker is not None
+                  and type(self).target.capabilities.preempt_call is not None
+                  and self.checker.in_flight_steps() < self.cfg.depth and bool(self._holding()))
+    @rule(req=requests.filter(lambda r: r.rid in r.machine._holding()))
+    def preempt(self, req: RequestRef) -> None:
+        self._apply(Preempt(req.rid))
 
     def _loading(self) -> list[tuple[str, int, int]]:
         out = self._memo.get("loading")

@@ -82,8 +82,10 @@ class SettledRule:
     * *not late*: a step is scheduled with no live block in a slot settled
       lets go of at its start (``freeable(n)``): the block is let go by then,
       at that event or before;
-    * *not early*: an out-of-window free lets go of a slot in
-      ``freeable(n)`` only (a request ending in the event counts as ending).
+    * *not early*: an out-of-window free lets go of a slot in settled's
+      ``freeable(n)`` only (a request ending in the event counts as ending):
+      a policy that frees later by design may free sooner, down to settled,
+      which is safe (SGLang one token sooner is no violation).
 
     The count handed to the rule is the target's own policy's at depth 1
     (``model.policy.basis`` with nothing in flight): ``settled`` and
@@ -122,8 +124,9 @@ class SettledRule:
         self.held: dict[tuple[str, int], set[int]] = {}
         self.hits: set[tuple[str, int, int]] = set()  # (rid, group, slot) holding a cached block
 
-    def _freeable(self, g: Group, n: int, B: int, rid: str) -> range:
-        b = max(0, basis(self.policy, g, Counts(computed=n)) - g.spec.vllm_frees_behind)
+    def _freeable(self, g: Group, n: int, B: int, rid: str, policy: str | None = None) -> range:
+        b = max(0, basis(policy or self.policy, g, Counts(computed=n))
+                - g.spec.vllm_frees_behind)
         # a sliding window's retained tokens stay below it for the whole request
         # (vLLM's get_num_skipped_tokens); R-SWA's gap depends on the prompt
         return g.spec.freeable(b, B, None if g.spec.retained else self.prompt.get(rid, 0))
@@ -165,7 +168,9 @@ class SettledRule:
                     continue
                 compared = True
                 n = steps[f.rid].start if f.rid in steps else self.count.get(f.rid, 0)
-                fr = self._freeable(g, n, B, f.rid)
+                # no earlier than settled: a policy that frees later by design
+                # (SGLang's) may free sooner, down to the safe rule
+                fr = self._freeable(g, n, B, f.rid, "settled")
                 if f.logical not in fr and found is None:
                     found = Violation(
                         6, f"at depth 1, {type(ev).__name__}: {f.rid} lets go of its logical "

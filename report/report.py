@@ -336,7 +336,8 @@ def build_grid(res: ReplayResult, target: str | None = None, shown: int | None =
             elif isinstance(it, CopyObs):
                 key = (it.rid, it.group, it.logical)
                 if it.logical >= 0 and held.get(key) == it.src:
-                    held[key] = last[key] = it.dst
+                    held[key] = it.dst
+                    set_last(key, it.dst)
                     owners.get(it.src, set()).discard(key)
                     owners.setdefault(it.dst, set()).add(key)
                 where = (f"its hit at logical {it.logical}" if it.logical >= 0

@@ -42,6 +42,26 @@ def pytest_file(path: Path, env_extra: dict, cwd: Path):
 # ------------------------------------------------------------- the grid
 
 
+
+def test_grid_follows_a_slot_whose_hit_was_copied_then_handed_another_block():
+    # a prefix hit ending inside block 1 is copied into block 2, the slot's
+    # own (CopyObs); the slot later takes block 3: the grid follows both moves
+    from model.events import Config, Group
+    from model.observations import AllocObs, CopyObs, Observed
+    from properties.replay import ReplayResult, Row
+
+    cfg = Config(groups=(Group("full"),), block_size=4, num_blocks=8,
+                 max_num_batched_tokens=8, max_num_seqs=4, max_model_len=32,
+                 prefix_caching=True)
+    evs = [AddRequest("r0", 6, 2), Schedule(), Schedule()]
+    obs = [Observed([]),
+           Observed([AllocObs(1, 0, "r0", 0, cached=True), CopyObs(1, 2, 0, "r0", 0)]),
+           Observed([AllocObs(3, 0, "r0", 0)])]
+    rows = [Row(i, e, o, ()) for i, (e, o) in enumerate(zip(evs, obs, strict=True))]
+    g = build_grid(ReplayResult(Trace(cfg, evs), rows, [], {}))
+    assert g.cell("r0", 0, 1, 0).block == 2
+    assert g.cell("r0", 0, 2, 0).state == "live" and g.cell("r0", 0, 2, 0).block == 3
+
 def test_grid_shows_freed_block_under_unprocessed_window():
     rr = replay(known(), "reference")
     assert rr.first is not None and rr.first.prop == 1

@@ -233,3 +233,67 @@ def test_unsupported_options_are_one_line_exit_2(args, line):
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert line in p.stderr + p.stdout
     assert "Traceback" not in p.stderr
+
+
+def test_pages_are_drawn_as_sglang_runs_them_page_1_first():
+    from hypothesis import find, given, settings
+
+    from impl.target import fit_spec, make_target
+    from properties.machine import FuzzSpec, config_strategy
+
+    spec = FuzzSpec(target=TARGET, kind="sliding")
+    fit_spec(TARGET, make_target(TARGET).capabilities, spec)
+    assert spec.small_blocks[0] == 1  # SGLang's default page_size
+    assert find(config_strategy(spec), lambda c: True).block_size == 1  # shrinks to it
+    seen = set()
+
+    @settings(max_examples=60, database=None)
+    @given(config_strategy(spec))
+    def draws(cfg):
+        seen.add(cfg.block_size)
+
+    draws()
+    assert seen == {1, 16, 64}, seen
+
+
+# a threshold slip in SGLang's decode-time out-of-window free (no radix tree):
+# freeing K tokens more than 0.5.23 does, fuzzed in one process at the
+# default page sizes (hazard ordered: SGLang's stream-ordered frees hold)
+_THRESHOLD = """
+import inspect, json, sys, textwrap
+from impl.target import fit_spec, make_target
+from properties.machine import FuzzSpec, fuzz
+target = make_target("sglang@0.5.23")
+target._d()
+import sglang.srt.mem_cache.common as common
+src = textwrap.dedent(inspect.getsource(common.free_swa_out_of_window_slots))
+old = "evict_threshold = pre_len - sliding_window_size\\n"
+assert src.count(old) == 1, "the line slipped is not in this release"
+src = src.replace(old, old[:-1] + " + " + sys.argv[1] + "\\n")
+ns = dict(vars(common))
+exec(compile("from __future__ import annotations\\n" + src, common.__file__, "exec"), ns)
+common.free_swa_out_of_window_slots = ns["free_swa_out_of_window_slots"]
+spec = FuzzSpec(target="sglang@0.5.23", kind="sliding", prefix_caching=False,
+                hazard="ordered")
+fit_spec(spec.target, target.capabilities, spec)
+r = fuzz(spec, examples=300, seed=1)
+print(json.dumps({"verdict": r.verdict, "prop": r.violation.prop if r.violation else None,
+                  "crash": (r.crash or "")[-400:], "vacuous": r.vacuous,
+                  "at_edge": r.stats.witness["window_free_at_edge"]}))
+"""
+
+
+@pytest.mark.parametrize("k, caught", [(2, True), (1, False)])
+def test_a_threshold_two_tokens_off_is_caught_and_one_token_off_is_not(k, caught):
+    # one token more freed is still safe (SGLang keeps a token more than the
+    # window reads: the sglang policy), two frees a slot the decode reads
+    p = subprocess.run([sys.executable, "-c", _THRESHOLD, str(k)], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    if caught:
+        # a slot the next decode reads is freed: a read of the NULL slot
+        assert got["verdict"] == "violation" and got["prop"] in (1, 2), got
+    else:
+        assert got["verdict"] == "holds" and got["at_edge"] > 0, got

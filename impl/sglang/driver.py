@@ -697,11 +697,14 @@ def unsupported(cfg: Config) -> str | None:
                 f"depth 2) or none (depth 1); its PP loop's micro-batches hold disjoint "
                 f"requests")
     B = cfg.block_size
-    if (cfg.num_blocks - 1) * B < cfg.max_model_len + 2 * B:
+    # the reserve: two pages, or each batch in flight's verify slots (the
+    # bonus token and every draft), whichever is more (pages of one token)
+    need = cfg.max_model_len + max(2 * B, cfg.depth * (cfg.spec_tokens + 1))
+    if (cfg.num_blocks - 1) * B < need:
         # the sliding layout's full-attention pool has the SWA pool's size
         return (f"{cfg.num_blocks - 1} pages of {B}: SGLang's PrefillAdder admits a "
                 f"request only with room for its paged prompt, every new token and a "
                 f"reserve in each pool, and a request left alone that outgrows the pool "
                 f"is aborted, so one request of max_model_len {cfg.max_model_len} needs "
-                f"{-(-(cfg.max_model_len + 2 * B) // B)} pages")
+                f"{-(-need // B)} pages")
     return None

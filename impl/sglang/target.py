@@ -125,6 +125,11 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
     return {"full": pins, "sliding": pins}
 
 
+# SGLang's page sizes: 1, its default (FlashInfer's and Triton's attention),
+# then 16 and 64, pages its other backends require (TRT-LLM's MHA, FlashMLA)
+PAGES = (1, 16, 64)
+
+
 class SglangTarget:
     """SGLang ``version``'s scheduler-side objects, in this process."""
 
@@ -143,6 +148,7 @@ class SglangTarget:
         self.capabilities = Capabilities(kinds=frozenset({"full", "sliding"}), max_depth=2,
                                          fixed_policy="sglang", pinned=_pins(version),
                                          resets=False, loop="sglang",
+                                         small_blocks=PAGES,
                                          unrequired={"full": rare, "sliding": rare})
         self._driver: Any = None
         self._config: Config | None = None
