@@ -43,6 +43,9 @@ class Capabilities:
     # per kind, fuzz options the target needs: (FuzzSpec field, value, why); a
     # field left to be drawn takes the value, one set otherwise is refused
     pinned: dict[str, tuple[tuple[str, object, str], ...]] = field(default_factory=dict)
+    # per kind, values fuzz options take where left to be drawn (FuzzSpec
+    # field, value), which a run may still set otherwise
+    defaults: dict[str, tuple[tuple[str, object], ...]] = field(default_factory=dict)
     # with prefix caching on, Mamba states live in the worker's slots
     # (model.mamba_slots: vLLM's align mode); otherwise in the block of their
     # position (the reference). The attention replay reads them accordingly.
@@ -92,6 +95,9 @@ def fit_spec(target_name: str, caps: Capabilities, spec) -> None:
             raise Unsupported(f"target {target_name} has no engine whose block sizes "
                               "--block-size engine could draw; name a vLLM target")
         spec.engine_blocks = caps.engine_blocks
+    for name, value in caps.defaults.get(spec.kind, ()):
+        if getattr(spec, name) is None:
+            setattr(spec, name, value)
     for name, value, why in caps.pinned.get(spec.kind, ()):
         have = getattr(spec, name)
         if have is None:

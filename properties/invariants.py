@@ -354,7 +354,8 @@ def expected_witnesses(cfg: Config) -> set[str]:
     if local:
         out.add("window_edge_crossing")
         out.add("window_free")
-    if any(g.kind == "sliding" for g in cfg.groups):
+    if any(g.kind == "sliding" for g in cfg.groups) and not cfg.prefix_caching:
+        # (SGLang's radix tree keeps a page-rounded window: a token more)
         out.add("window_free_at_edge")
     if cfg.depth >= 2 and local:
         out.add("free_while_in_flight")

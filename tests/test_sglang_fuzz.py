@@ -235,7 +235,7 @@ def test_unsupported_options_are_one_line_exit_2(args, line):
     assert "Traceback" not in p.stderr
 
 
-def test_pages_are_drawn_as_sglang_runs_them_page_1_first():
+def test_pages_and_hazard_are_drawn_as_sglang_runs_them_page_1_first():
     from hypothesis import find, given, settings
 
     from impl.target import fit_spec, make_target
@@ -244,6 +244,11 @@ def test_pages_are_drawn_as_sglang_runs_them_page_1_first():
     spec = FuzzSpec(target=TARGET, kind="sliding")
     fit_spec(TARGET, make_target(TARGET).capabilities, spec)
     assert spec.small_blocks[0] == 1  # SGLang's default page_size
+    # SGLang as shipped is stream-ordered: a run is unless it asks otherwise
+    assert spec.hazard == "ordered"
+    asked = FuzzSpec(target=TARGET, kind="sliding", hazard="unordered")
+    fit_spec(TARGET, make_target(TARGET).capabilities, asked)
+    assert asked.hazard == "unordered"
     assert find(config_strategy(spec), lambda c: True).block_size == 1  # shrinks to it
     seen = set()
 
@@ -293,7 +298,10 @@ def test_a_threshold_two_tokens_off_is_caught_and_one_token_off_is_not(k, caught
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     if caught:
-        # a slot the next decode reads is freed: a read of the NULL slot
-        assert got["verdict"] == "violation" and got["prop"] in (1, 2), got
+        # a slot the next decode reads is freed (a read of the NULL slot), or,
+        # at a window of one token, slots past the row's end: SGLang's own
+        # SWA allocator asserts on the double free first (exit 3)
+        assert (got["verdict"] == "violation" and got["prop"] in (1, 2)
+                or got["verdict"] == "crashed" and "swa" in got["crash"]), got
     else:
         assert got["verdict"] == "holds" and got["at_edge"] > 0, got

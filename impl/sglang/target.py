@@ -22,9 +22,10 @@ What runs
   the normal loop; deeper is refused (one line, exit 2: SGLang's PP loop keeps
   micro-batches of disjoint requests in flight, not kvcheck's depth), and so
   are drafters other than ``ngram`` and other kinds. Configs are ``stream_ordered``
-  (one forward stream, ``_apply_war_barrier``); hazard ``unordered`` stands
-  for a loader writing a page the moment it is free (HiCache without its
-  ``load_fence_stream``; HiCache itself is not driven).
+  (one forward stream, ``_apply_war_barrier``), hazard ``ordered`` unless
+  asked; ``unordered`` stands for a loader writing a page the moment it is
+  free (HiCache without its ``load_fence_stream``; HiCache itself is not
+  driven).
 
 How an event runs
 -----------------
@@ -125,6 +126,11 @@ def _pins(version: str) -> dict[str, tuple[tuple[str, object, str], ...]]:
     return {"full": pins, "sliding": pins}
 
 
+# the hazard a run takes unless told: SGLang as shipped writes a freed page
+# only on its one forward stream (``--hazard unordered`` asks how its frees
+# fare under a writer off it: findings/sglang)
+ORDERED = (("hazard", "ordered"),)
+
 # SGLang's page sizes: 1, its default (FlashInfer's and Triton's attention),
 # then 16 and 64, pages its other backends require (TRT-LLM's MHA, FlashMLA)
 PAGES = (1, 16, 64)
@@ -149,6 +155,7 @@ class SglangTarget:
                                          fixed_policy="sglang", pinned=_pins(version),
                                          resets=False, loop="sglang",
                                          small_blocks=PAGES,
+                                         defaults={k: ORDERED for k in ("full", "sliding")},
                                          unrequired={"full": rare, "sliding": rare})
         self._driver: Any = None
         self._config: Config | None = None
